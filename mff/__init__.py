@@ -1,0 +1,16 @@
+"""mff: train and serve MoE language models on Ascend NPU, CUDA and CPU with PyTorch.
+
+Models are pure functions over param pytrees::
+
+    import mff
+    model = mff.build("deepseek3", size="tiny")
+    params = model.init(seed=0)
+    out = model.forward(params, {"input_ids": ids})   # ids: int64 [B, T]
+    out.logits                                        # [B, T, vocab]
+"""
+
+from mff.model import Model, Output
+from mff.models import FAMILIES, build, get_family
+
+__version__ = "0.1.0"
+__all__ = ["FAMILIES", "Model", "Output", "build", "get_family", "__version__"]

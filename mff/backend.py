@@ -1,0 +1,295 @@
+"""Device and communication backend: device choice, process-group bootstrap, fused-op dispatch.
+
+One codebase runs on Ascend NPU (``torch_npu``, HCCL), CUDA (NCCL) and CPU (gloo). The device
+comes from ``--device`` (``auto|cpu|cuda|npu``), else from the ``MF_DEVICE_TYPE`` environment
+variable that MindFormers users know, else ``auto``: NPU when ``torch_npu`` imports and reports
+a device, else CUDA when available, else CPU.
+
+The process group is always initialised, also for one process: without ``torchrun`` the
+environment is filled with ``RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1`` and a free
+``MASTER_PORT``; under ``torchrun`` its variables are used as they are.
+
+Fused ops go through :data:`ops`, a small table filled per device: ``torch_npu`` kernels where
+present (``npu_rms_norm``, ``npu_grouped_matmul``), pure torch otherwise. The NPU entries are
+written against torch_npu's documented signatures but have not run on an NPU in this project:
+they are covered only by the dispatch tests (which kernel is chosen), not by numerics tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEVICES",
+    "DeviceUnavailable",
+    "DistInfo",
+    "resolve_device",
+    "init_distributed",
+    "comm_backend",
+    "ops",
+    "select_ops",
+]
+
+DEVICES = ("auto", "cpu", "cuda", "npu")
+_ENV_ALIASES = {"ascend": "npu", "npu": "npu", "gpu": "cuda", "cuda": "cuda", "cpu": "cpu", "auto": "auto"}
+_COMM = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
+class DeviceUnavailable(RuntimeError):
+    """The requested device cannot be used here; the message says what is missing and how to install it."""
+
+
+def _import_torch_npu() -> ModuleType | None:
+    try:
+        return importlib.import_module("torch_npu")
+    except Exception:  # ImportError, or a torch_npu built for another torch
+        return None
+
+
+def _npu_count(torch_npu: ModuleType | None) -> int:
+    if torch_npu is None:
+        return 0
+    try:
+        return int(torch.npu.device_count())  # torch_npu registers torch.npu
+    except Exception:
+        return 0
+
+
+def resolve_device(flag: str | None = None, env: dict[str, str] | None = None) -> str:
+    """Pick the device type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
+
+    Args:
+        flag: the ``--device`` value (``auto|cpu|cuda|npu``) or None when not given.
+        env: the environment to read ``MF_DEVICE_TYPE`` from (default ``os.environ``).
+            The flag wins over the variable; values ``Ascend``/``GPU`` are accepted in the
+            variable as MindFormers spells them.
+
+    Raises:
+        ValueError: an unknown device name (the message lists the valid ones).
+        DeviceUnavailable: ``npu`` without torch_npu or without a visible NPU, ``cuda``
+            without a CUDA build of torch or without a visible GPU.
+    """
+    env = os.environ if env is None else env
+    if flag is None or flag == "":
+        raw = env.get("MF_DEVICE_TYPE", "auto")
+        choice = _ENV_ALIASES.get(raw.strip().lower())
+        if choice is None:
+            raise ValueError(f"MF_DEVICE_TYPE={raw!r} is not a device; expected one of auto, cpu, cuda (GPU), npu (Ascend)")
+    else:
+        choice = flag.strip().lower()
+        if choice not in DEVICES:
+            raise ValueError(f"--device {flag!r} is not a device; expected one of {', '.join(DEVICES)}")
+
+    if choice == "auto":
+        if _npu_count(_import_torch_npu()) > 0:
+            return "npu"
+        if torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+    if choice == "npu":
+        torch_npu = _import_torch_npu()
+        if torch_npu is None:
+            raise DeviceUnavailable(
+                "--device npu: torch_npu is not installed; install the Ascend CANN toolkit and "
+                "`pip install 'mff[npu]'` (torch_npu matching your torch version), or use --device cpu"
+            )
+        if _npu_count(torch_npu) == 0:
+            raise DeviceUnavailable("--device npu: torch_npu imports but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)")
+        return "npu"
+    if choice == "cuda":
+        if torch.version.cuda is None:
+            raise DeviceUnavailable(
+                f"--device cuda: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build "
+                "(see https://pytorch.org/get-started/locally/), or use --device cpu"
+            )
+        if not torch.cuda.is_available():
+            raise DeviceUnavailable("--device cuda: torch has CUDA but sees no GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+        return "cuda"
+    return "cpu"
+
+
+def comm_backend(device_type: str) -> str:
+    """The torch.distributed backend of a device type: npu -> hccl, cuda -> nccl, cpu -> gloo."""
+    try:
+        return _COMM[device_type]
+    except KeyError:
+        raise ValueError(f"no communication backend for device type {device_type!r}; expected cpu, cuda or npu") from None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process runs: ``rank``/``world_size``/``local_rank`` from the process group,
+    ``device`` the torch device of this rank, ``device_type`` cpu|cuda|npu, ``backend`` its
+    collective library."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    device_type: str
+    backend: str
+
+
+def init_distributed(device_type: str, timeout_s: float = 1800.0) -> DistInfo:
+    """Initialise (or reuse) the default process group for ``device_type``.
+
+    Without torchrun the single-process environment is filled in (see module doc). The
+    device of this rank is set before the group is created (torch_npu requires that before
+    ``init_device_mesh``). Collectives time out after ``timeout_s`` seconds.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    elif device_type == "npu":
+        _import_torch_npu()
+        torch.npu.set_device(local_rank)
+        device = torch.device("npu", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = comm_backend(device_type)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    select_ops(device_type)
+    return DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        device_type=device_type,
+        backend=backend,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# fused-op table
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF transformers computes it (``LlamaRMSNorm``): statistics in fp32, the
+    normalised input cast back to ``x.dtype``, then scaled by ``weight``.
+
+    Shapes: x [..., D], weight [D]; returns [..., D] in the promoted dtype of weight and x.
+    """
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+def grouped_mm_loop(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Per-expert matmul over contiguous row groups: rows ``[sum(counts[:e]), sum(counts[:e+1]))``
+    of ``x_ND`` times ``w_EDF[e]`` ([D, F]). Returns [N, F]. A plain loop, the reference for
+    :func:`grouped_mm_fused`."""
+    outs = [x.matmul(w_EDF[e]) for e, x in enumerate(x_ND.split(counts, dim=0)) if counts[e]]
+    if not outs:
+        return x_ND.new_zeros(x_ND.shape[0], w_EDF.shape[-1])
+    return torch.cat(outs, dim=0)
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    return all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
+
+
+def grouped_mm_fused(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The same product through ``torch._grouped_mm`` (one kernel for all experts).
+
+    ``torch._grouped_mm`` needs strides that are multiples of 16 bytes; other shapes take the
+    per-expert loop. It also rejects a non-contiguous output gradient in its backward (seen on
+    torch 2.13 CPU), so the output's gradient is made contiguous by a hook.
+    """
+    if not (_aligned16(x_ND) and _aligned16(w_EDF) and (w_EDF.shape[-1] * w_EDF.element_size()) % 16 == 0):
+        return grouped_mm_loop(x_ND, w_EDF, counts)
+    offs = torch.tensor(counts, device=x_ND.device, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return _contiguous_grad(torch._grouped_mm(x_ND, w_EDF, offs=offs))
+
+
+def grouped_mm_npu(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """``torch_npu.npu_grouped_matmul`` (split_item=2: one output; group_list_type=1: counts).
+    Unverified here: no NPU in this project's CI."""
+    import torch_npu
+
+    group_list = torch.tensor(counts, device=x_ND.device, dtype=torch.int64)
+    return torch_npu.npu_grouped_matmul([x_ND], [w_EDF], group_list=group_list, split_item=2, group_type=0, group_list_type=1)[0]
+
+
+def rms_norm_npu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch_npu.npu_rms_norm`` (returns (y, rstd)). Unverified here: no NPU in this project's CI."""
+    import torch_npu
+
+    return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+
+def _grouped_mm_runs(device_type: str) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        dev = torch.device(device_type)
+        x = torch.randn(4, 8, device=dev, requires_grad=True)
+        w = torch.randn(2, 8, 4, device=dev, requires_grad=True)
+        y = grouped_mm_fused(x, w, [1, 3])
+        gx, gw = torch.autograd.grad(y.sum(), (x, w))
+        ref = grouped_mm_loop(x.detach(), w.detach(), [1, 3])
+        return bool(torch.allclose(y.detach(), ref, atol=1e-5)) and gx is not None and gw is not None
+    except Exception:
+        return False
+
+
+@dataclass
+class OpTable:
+    """The kernels in use. ``names`` says which implementation each entry is, for logs and tests."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm_torch
+    grouped_mm: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor] = grouped_mm_loop
+    names: dict[str, str] | None = None
+
+
+ops = OpTable(names={"rms_norm": "torch", "grouped_mm": "loop"})
+
+
+def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, grouped_mm: str = "auto") -> OpTable:
+    """Fill :data:`ops` for ``device_type`` and return it.
+
+    npu with torch_npu importable: ``npu_rms_norm`` and ``npu_grouped_matmul``. Elsewhere the
+    pure torch RMSNorm, and ``torch._grouped_mm`` when a probe forward+backward runs on this
+    device (``grouped_mm="auto"``), the per-expert loop otherwise; ``grouped_mm`` may force
+    ``"fused"`` or ``"loop"``.
+    """
+    if grouped_mm not in ("auto", "fused", "loop"):
+        raise ValueError(f"grouped_mm={grouped_mm!r}; expected auto, fused or loop")
+    npu = torch_npu_module if torch_npu_module is not None else (_import_torch_npu() if device_type == "npu" else None)
+    if device_type == "npu" and npu is not None:
+        ops.rms_norm, ops.grouped_mm = rms_norm_npu, grouped_mm_npu
+        ops.names = {"rms_norm": "npu_rms_norm", "grouped_mm": "npu_grouped_matmul"}
+        return ops
+    ops.rms_norm = rms_norm_torch
+    use_fused = grouped_mm == "fused" or (grouped_mm == "auto" and _grouped_mm_runs(device_type if device_type != "npu" else "cpu"))
+    ops.grouped_mm = grouped_mm_fused if use_fused else grouped_mm_loop
+    ops.names = {"rms_norm": "torch", "grouped_mm": "torch._grouped_mm" if use_fused else "loop"}
+    return ops

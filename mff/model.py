@@ -1,0 +1,216 @@
+"""The model object: a family's config and meta skeleton, with pure ``init`` and ``forward``.
+
+``model.init(seed, device, dtype, mesh) -> params`` makes the param pytree (a flat
+``dict[path, Tensor]``, DTensors on ``mesh`` when one is given); ``model.forward(params,
+batch) -> Output`` runs the skeleton through ``torch.func.functional_call(..., strict=True)``.
+Nothing is stored on the model between calls: routing statistics come out in the Output and
+the step function applies the expert-bias update.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from mff.parallel.sharding import DEFAULT_AXIS_MAP, ShardingTable, shard_params
+from mff.tree import first_match, matches
+
+__all__ = ["Output", "Family", "Model", "BATCH_KEYS", "path_seed"]
+
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+
+InitSpec = tuple  # ("normal", std) | ("ones",) | ("zeros",)
+
+
+@dataclass
+class Output:
+    """What ``forward`` returns.
+
+    - ``logits``: [B, T, V] in the compute dtype.
+    - ``losses``: named terms, each already weighted (``lm``, ``balance``, ``mtp``), present
+      when labels are given; their sum is the training loss.
+    - ``expert_load``: MoE layer path -> int64 [E] token slots routed to each expert.
+    - ``cache``: the updated KV cache when one was passed (generation).
+    """
+
+    logits: torch.Tensor
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    expert_load: dict[str, torch.Tensor] = field(default_factory=dict)
+    cache: Any = None
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """The sum of all loss terms (0-d). Raises KeyError when no labels were given."""
+        if not self.losses:
+            raise KeyError("no losses: pass labels in the batch")
+        return sum(self.losses.values())
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a model file exports (see DESIGN.md, "A model family")."""
+
+    name: str
+    config_cls: type
+    sizes: Mapping[str, Any]
+    default_size: str
+    skeleton: Callable[[Any], nn.Module]
+    init_table: Callable[[Any], Sequence[tuple[str, InitSpec]]]
+    sharding_table: ShardingTable
+    count_targets: Callable[[Any, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+    param_counts: Callable[[Any, Mapping[str, torch.Size]], dict[str, int]]
+    train_flops_per_token: Callable[[Any, Mapping[str, torch.Size], int], float]
+    fp32_params: tuple[str, ...] = ()
+    frozen_params: tuple[str, ...] = ()
+    hf_model_types: tuple[str, ...] = ()
+    description: str = ""
+
+
+def path_seed(seed: int, path: str) -> int:
+    """A 63-bit seed for one param, from sha256 of ``"{seed}:{path}"`` (stable across runs,
+    platforms and world sizes; independent of the order params are made in)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{path}".encode()).digest()[:8], "big") >> 1
+
+
+def _fill(shape: torch.Size, spec: InitSpec, gen: torch.Generator) -> torch.Tensor:
+    kind = spec[0]
+    if kind == "normal":
+        return torch.empty(shape, dtype=torch.float32).normal_(0.0, float(spec[1]), generator=gen)
+    if kind == "ones":
+        return torch.ones(shape, dtype=torch.float32)
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=torch.float32)
+    raise ValueError(f"unknown init {spec!r}")
+
+
+class Model:
+    """A family + config + meta skeleton, exposing pure functions over param pytrees."""
+
+    def __init__(self, family: Family, config: Any):
+        if not isinstance(config, family.config_cls):
+            raise TypeError(f"{family.name} needs a {family.config_cls.__name__}, got {type(config).__name__}")
+        self.family = family
+        self.config = config
+        with torch.device("meta"):
+            self.skeleton = family.skeleton(config)
+        if list(self.skeleton.buffers()):
+            raise AssertionError(f"{family.name} skeleton holds buffers; skeletons must be buffer-free")
+
+    def __repr__(self) -> str:
+        return f"Model({self.family.name}, {self.config})"
+
+    # ---- structure -------------------------------------------------------------------
+    def param_shapes(self) -> dict[str, torch.Size]:
+        """``{path: shape}`` of every param, in the skeleton's order."""
+        return {name: p.shape for name, p in self.skeleton.named_parameters()}
+
+    def is_trainable(self, path: str) -> bool:
+        """False for params updated outside the optimizer (the MoE expert bias)."""
+        return not any(matches(p, path) for p in self.family.frozen_params)
+
+    def is_fp32(self, path: str) -> bool:
+        """True for params kept in fp32 whatever the model dtype (router weight and bias)."""
+        return any(matches(p, path) for p in self.family.fp32_params)
+
+    def param_counts(self) -> dict[str, int]:
+        """Param counts: ``total``, ``activated`` (per token), each also ``_no_mtp``; see the family."""
+        return self.family.param_counts(self.config, self.param_shapes())
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) at ``seq_len``, for MFU."""
+        return self.family.train_flops_per_token(self.config, self.param_shapes(), seq_len)
+
+    # ---- params ----------------------------------------------------------------------
+    def init(
+        self,
+        seed: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        mesh: DeviceMesh | None = None,
+        axis_map: Mapping[str, str | None] = DEFAULT_AXIS_MAP,
+    ) -> dict[str, torch.Tensor]:
+        """Fresh params from the family's init table, deterministic per (seed, path).
+
+        Each param is drawn on the CPU in fp32 from its own generator (:func:`path_seed`), then
+        cast to ``dtype`` (fp32 params stay fp32) and moved to ``device``. With ``mesh`` every
+        leaf becomes a DTensor placed by the family's sharding table. Trainable leaves have
+        ``requires_grad=True``.
+
+        Raises:
+            ValueError: a param no init-table row matches; sharding errors (see
+                :func:`mff.parallel.sharding.resolve_placements`).
+        """
+        table = self.family.init_table(self.config)
+        params = {}
+        for path, shape in self.param_shapes().items():
+            hit = first_match(path, table)
+            if hit is None:
+                raise ValueError(f"param {path!r}: no row of {self.family.name}'s init table matches it")
+            gen = torch.Generator().manual_seed(path_seed(seed, path))
+            t = _fill(shape, hit[1], gen)
+            t = t.to(device=device, dtype=torch.float32 if self.is_fp32(path) else dtype)
+            params[path] = t.requires_grad_(self.is_trainable(path))
+        if mesh is not None:
+            params = shard_params(params, self.family.sharding_table, mesh, axis_map)
+        return params
+
+    def cast(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Params cast to ``dtype`` except the fp32 ones (router weight, expert bias)."""
+        out = {}
+        for path, t in params.items():
+            target = torch.float32 if self.is_fp32(path) else dtype
+            out[path] = t if t.dtype == target else t.detach().to(target).requires_grad_(t.requires_grad)
+        return out
+
+    # ---- compute ---------------------------------------------------------------------
+    def count_targets(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-loss-term counts of this batch (``lm`` targets, ``mtp.k`` targets, ``balance``
+        rows), int64 0-d tensors. Summed over micro-batches and ranks they are the
+        ``target_counts`` that make losses normalise by the global count."""
+        return self.family.count_targets(self.config, batch)
+
+    def forward(
+        self,
+        params: Mapping[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+        cache: Any = None,
+        *,
+        target_counts: Mapping[str, torch.Tensor] | None = None,
+    ) -> Output:
+        """Run the model on ``batch`` with ``params``.
+
+        Args:
+            params: every param path of the model (missing or extra paths raise).
+            batch: ``input_ids`` int64 [B, T]; optional ``labels`` int64 [B, T] (aligned:
+                target of position t, -100 ignored), ``position_ids`` int64 [B, T],
+                ``document_ids`` int [B, T] (attention and MTP targets stay within a document).
+            cache: a KV cache pytree (generation); NotImplementedError for families without one.
+            target_counts: denominators of the loss terms (from :meth:`count_targets`, summed
+                over a step's micro-batches and ranks); default: this batch's own counts, so
+                each term is a mean over this batch.
+        Returns:
+            :class:`Output`.
+        Raises:
+            ValueError: unknown batch keys, or ``input_ids`` that is not int64 [B, T].
+        """
+        unknown = sorted(set(batch) - set(BATCH_KEYS))
+        if unknown:
+            raise ValueError(f"unknown batch keys {unknown}; expected a subset of {list(BATCH_KEYS)}")
+        ids = batch.get("input_ids")
+        if ids is None or ids.dtype != torch.int64 or ids.dim() != 2:
+            got = None if ids is None else f"{ids.dtype} {tuple(ids.shape)}"
+            raise ValueError(f"batch['input_ids'] must be int64 [B, T], got {got}")
+        kwargs = dict(batch)
+        kwargs["target_counts"] = target_counts
+        if cache is not None:
+            if "cache" not in inspect.signature(self.skeleton.forward).parameters:
+                raise NotImplementedError(f"{self.family.name} has no KV-cache forward yet; call forward without a cache")
+            kwargs["cache"] = cache
+        return torch.func.functional_call(self.skeleton, dict(params), args=(), kwargs=kwargs, strict=True)

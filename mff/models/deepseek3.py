@@ -1,0 +1,389 @@
+"""DeepSeek-V3 (arXiv 2412.19437): MLA attention, DeepSeekMoE with aux-loss-free routing
+(sigmoid scores + expert bias, group-limited top-k), sequence-wise balance loss, and MTP.
+
+Numerics follow HF transformers ``models/deepseek_v3`` (v5); param paths are HF's in-memory
+names, with MTP depths at ``model.layers.{num_hidden_layers + k}`` under DeepSeek's checkpoint
+names. Config field names are HF's ``DeepseekV3Config`` names (and DeepSeek's own
+``num_nextn_predict_layers``, ``moe_layer_freq``, ``aux_loss_alpha``); the class defaults are
+the published DeepSeek-V3 (size ``v3-671b``).
+
+Shape legend: B batch, T sequence, D hidden_size, V vocab_size, E routed experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from mff.model import Family, Output
+from mff.nn.attention import document_causal_mask
+from mff.nn.layers import Embedding, RMSNorm
+from mff.nn.loss import count_targets as _count, cross_entropy_sum
+from mff.nn.mla import MLA
+from mff.nn.mlp import GatedMLP
+from mff.nn.moe import MoE
+from mff.nn.mtp import add_mtp_params, mtp_block_input, mtp_labels
+from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq, yarn_softmax_scale
+from mff.parallel.gather import gather
+
+__all__ = ["DeepseekV3Config", "SIZES", "FAMILY", "DeepseekV3ForCausalLM"]
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    """DeepSeek-V3 architecture (HF ``DeepseekV3Config`` names) plus its training coefficients."""
+
+    vocab_size: int = 129280
+    """Vocabulary size V."""
+    hidden_size: int = 7168
+    """Model width D."""
+    intermediate_size: int = 18432
+    """Width of the dense MLP layers."""
+    moe_intermediate_size: int = 2048
+    """Width of each routed expert (and, times n_shared_experts, of the shared expert)."""
+    num_hidden_layers: int = 61
+    """Transformer layers of the main model (MTP depths come on top)."""
+    num_attention_heads: int = 128
+    """Attention heads H."""
+    num_key_value_heads: int = 128
+    """Kept for HF config compatibility; MLA does not use it."""
+    n_shared_experts: int = 1
+    """Shared experts per MoE layer (0 = none)."""
+    n_routed_experts: int = 256
+    """Routed experts E per MoE layer."""
+    routed_scaling_factor: float = 2.5
+    """Multiplier of the routed experts' gate weights."""
+    kv_lora_rank: int = 512
+    """MLA compressed KV width C (what the inference cache stores)."""
+    q_lora_rank: int | None = 1536
+    """MLA query compression width; None = a full-rank q_proj."""
+    qk_rope_head_dim: int = 64
+    """Rotary part R of each query/key head (one shared rotary key per token)."""
+    v_head_dim: int = 128
+    """Value head width."""
+    qk_nope_head_dim: int = 128
+    """Non-rotary part N of each query/key head."""
+    n_group: int = 8
+    """Expert groups for group-limited routing (1 = no limit)."""
+    topk_group: int = 4
+    """Groups each token may route into."""
+    num_experts_per_tok: int = 8
+    """Routed experts per token K (top-k)."""
+    first_k_dense_replace: int = 3
+    """The first layers that use a dense MLP instead of MoE."""
+    moe_layer_freq: int = 1
+    """After the dense layers, every moe_layer_freq-th layer is MoE (DeepSeek's rule: index % freq == 0)."""
+    norm_topk_prob: bool = True
+    """Normalise the top-k gate weights to sum 1 before routed_scaling_factor."""
+    hidden_act: Literal["silu"] = "silu"
+    """MLP activation (SwiGLU)."""
+    max_position_embeddings: int = 163840
+    """Longest sequence the model accepts."""
+    initializer_range: float = 0.02
+    """Std of the normal init of weight matrices."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_parameters: RopeParameters = RopeParameters(
+        rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0,
+        mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096,
+    )
+    """RoPE / YaRN parameters (HF v5 rope_parameters)."""
+    rope_interleave: bool = True
+    """DeepSeek's interleaved rotary pair layout (HF rope_interleave)."""
+    attention_bias: bool = False
+    """Biases on q_a_proj, kv_a_proj_with_mqa and o_proj."""
+    tie_word_embeddings: bool = False
+    """Use the embedding matrix as the output head."""
+    num_nextn_predict_layers: int = 1
+    """MTP depths D (0 = no MTP)."""
+    bos_token_id: int | None = 0
+    """Beginning-of-sequence token id (metadata)."""
+    eos_token_id: int | None = 1
+    """End-of-sequence token id (metadata)."""
+    pad_token_id: int | None = None
+    """Padding token id (metadata)."""
+    aux_loss_alpha: float = 0.0001
+    """Sequence-wise balance loss weight alpha (paper section 4.2: 0.0001); 0 = off."""
+    mtp_loss_scaling_factor: float = 0.3
+    """MTP loss weight lambda (paper section 4.2: 0.3 for the first 10T tokens, then 0.1)."""
+    moe_router_bias_update_rate: float = 0.001
+    """Expert-bias update speed gamma of aux-loss-free balancing (paper: 0.001); 0 = frozen bias."""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"DeepseekV3Config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be > 0")
+        need(self.qk_nope_head_dim >= 0, f"qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0")
+        need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank={self.q_lora_rank} must be > 0 or None")
+        need(self.num_nextn_predict_layers >= 0, f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
+        need(self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
+        if self.n_routed_experts:
+            need(1 <= self.num_experts_per_tok <= self.n_routed_experts,
+                 f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, n_routed_experts={self.n_routed_experts}]")
+            need(self.n_group >= 1 and self.n_routed_experts % self.n_group == 0,
+                 f"n_routed_experts={self.n_routed_experts} must divide into n_group={self.n_group} groups")
+            need(1 <= self.topk_group <= self.n_group, f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+            need(self.num_experts_per_tok <= self.topk_group * (self.n_routed_experts // self.n_group),
+                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of topk_group={self.topk_group} groups")
+            need(self.moe_intermediate_size > 0, f"moe_intermediate_size={self.moe_intermediate_size} must be > 0")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key head width N + R."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def is_moe_layer(self, idx: int) -> bool:
+        """True when layer ``idx`` (MTP depths included, at ``num_hidden_layers + k``) is MoE."""
+        return self.n_routed_experts > 0 and idx >= self.first_k_dense_replace and idx % self.moe_layer_freq == 0
+
+
+SIZES: dict[str, DeepseekV3Config] = {
+    # CPU default: trains in minutes on 2 cores; every feature on (group-limited routing, MTP).
+    "tiny": DeepseekV3Config(
+        vocab_size=8192, hidden_size=256, intermediate_size=768, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=128,
+        qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=4, topk_group=2,
+        num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=4096,
+        rope_parameters=RopeParameters(rope_theta=10000.0), num_nextn_predict_layers=1,
+    ),
+    # The paper's dimensions (meta device only on CPU).
+    "v3-671b": DeepseekV3Config(),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# skeleton
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h + MLA(norm(h))``, then ``+ MLP or MoE(norm(h))``."""
+
+    def __init__(self, cfg: DeepseekV3Config, idx: int):
+        super().__init__()
+        scale = cfg.qk_head_dim ** -0.5 * yarn_softmax_scale(cfg.rope_parameters)
+        self.self_attn = MLA(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim, cfg.v_head_dim, scale, cfg.rope_interleave, cfg.attention_bias, cfg.rms_norm_eps,
+        )
+        if cfg.is_moe_layer(idx):
+            self.mlp = MoE(
+                cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
+                cfg.n_shared_experts, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor,
+            )
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h_BTD, cos, sin, mask):
+        """Returns ``(h [B,T,D], expert load [E] | None, balance [B] | None)``."""
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask)
+        x = self.post_attention_layernorm(h_BTD)
+        if isinstance(self.mlp, MoE):
+            y, load, balance = self.mlp(x)
+            return h_BTD + y, load, balance
+        return h_BTD + self.mlp(x), None, None
+
+
+class DeepseekV3Model(nn.Module):
+    """``embed_tokens``, ``layers`` (main layers, then MTP depths), ``norm``."""
+
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        for k in range(cfg.num_nextn_predict_layers):
+            idx = cfg.num_hidden_layers + k
+            layers.append(add_mtp_params(DecoderLayer(cfg, idx), cfg.hidden_size, cfg.rms_norm_eps))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The skeleton. ``forward(input_ids, labels=None, position_ids=None, document_ids=None,
+    target_counts=None) -> Output`` (see :meth:`mff.model.Model.forward`)."""
+
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        inv_freq, self.attention_factor = rope_inv_freq(cfg.rope_parameters, cfg.qk_rope_head_dim)
+        self._inv_freq = inv_freq.tolist()  # a plain list: skeletons hold no buffers
+
+    def _head(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return h_BTD @ gather(w).t()
+
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None):
+        cfg = self.config
+        B, T = input_ids.shape
+        if T > cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        emb_BTD = self.model.embed_tokens(input_ids)
+        inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=input_ids.device)
+        cos, sin = rope_cos_sin(position_ids, inv_freq, self.attention_factor, emb_BTD.dtype)
+        mask = document_causal_mask(document_ids) if document_ids is not None else None
+
+        expert_load: dict[str, torch.Tensor] = {}
+        balance: list[torch.Tensor] = []
+        L = cfg.num_hidden_layers
+        h = emb_BTD
+        for i in range(L):
+            h, load, bal = self.model.layers[i](h, cos, sin, mask)
+            if load is not None:
+                expert_load[f"model.layers.{i}.mlp"] = load.detach()
+                balance.append(bal)
+        logits = self._head(self.model.norm(h))
+        out = Output(logits=logits, expert_load=expert_load)
+        if labels is None:
+            return out
+
+        counts = target_counts if target_counts is not None else count_targets(cfg, {"labels": labels, "document_ids": document_ids, "input_ids": input_ids})
+        out.losses["lm"] = cross_entropy_sum(logits, labels) / counts["lm"].clamp(min=1)
+        mtp_terms = []
+        for k in range(1, cfg.num_nextn_predict_layers + 1):
+            layer = self.model.layers[L + k - 1]
+            emb_next = torch.roll(emb_BTD, shifts=-k, dims=1)  # Emb(x_{t+k}); wrapped tail is masked
+            h, load, bal = layer(mtp_block_input(layer, h, emb_next), cos, sin, mask)
+            if load is not None:
+                expert_load[f"model.layers.{L + k - 1}.mlp"] = load.detach()
+                balance.append(bal)
+            logits_k = self._head(layer.shared_head.norm(h))
+            ce = cross_entropy_sum(logits_k, mtp_labels(labels, document_ids, k))
+            mtp_terms.append(ce / counts[f"mtp.{k}"].clamp(min=1))
+        if mtp_terms:
+            out.losses["mtp"] = cfg.mtp_loss_scaling_factor / len(mtp_terms) * sum(mtp_terms)
+        if balance and cfg.aux_loss_alpha > 0:
+            out.losses["balance"] = cfg.aux_loss_alpha * sum(b.sum() for b in balance) / counts["balance"].clamp(min=1)
+        return out
+
+
+# ------------------------------------------------------------------------------------------
+# tables
+
+
+def init_table(cfg: DeepseekV3Config) -> list[tuple[str, tuple]]:
+    """Init per path pattern (first match wins): norms 1, expert bias and biases 0, residual
+    output projections N(0, (0.02 / sqrt(2 L))^2) (GPT-2's scaled init), the rest N(0, 0.02^2)."""
+    std = cfg.initializer_range
+    out_std = std / math.sqrt(2 * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
+    return [
+        ("**.e_score_correction_bias", ("zeros",)),
+        ("**.*norm.weight", ("ones",)),
+        ("**.bias", ("zeros",)),
+        ("**.o_proj.weight", ("normal", out_std)),
+        ("**.down_proj.weight", ("normal", out_std)),
+        ("**.experts.down_proj", ("normal", out_std)),
+        ("**", ("normal", std)),
+    ]
+
+
+SHARDING_TABLE = [
+    # (path pattern, logical axis per dim); "embed" is the hidden dim FSDP splits.
+    ("model.embed_tokens.weight", ("vocab", "embed")),
+    ("lm_head.weight", ("vocab", "embed")),
+    ("**.q_proj.weight", ("heads", "embed")),
+    ("**.q_a_proj.weight", (None, "embed")),
+    ("**.q_b_proj.weight", ("heads", None)),
+    ("**.kv_a_proj_with_mqa.weight", (None, "embed")),
+    ("**.kv_b_proj.weight", ("heads", None)),
+    ("**.o_proj.weight", ("embed", "heads")),
+    ("**.o_proj.bias", ("embed",)),
+    ("**.bias", (None,)),
+    ("**.mlp.gate.weight", (None, "embed")),
+    ("**.mlp.gate.e_score_correction_bias", (None,)),
+    ("**.experts.gate_up_proj", ("expert", "mlp", "embed")),
+    ("**.experts.down_proj", ("expert", "embed", "mlp")),
+    ("**.gate_proj.weight", ("mlp", "embed")),
+    ("**.up_proj.weight", ("mlp", "embed")),
+    ("**.down_proj.weight", ("embed", "mlp")),
+    ("**.eh_proj.weight", ("embed", None)),
+    ("**.q_a_layernorm.weight", (None,)),
+    ("**.kv_a_layernorm.weight", (None,)),
+    ("**.*norm.weight", ("embed",)),
+]
+
+
+def count_targets(cfg: DeepseekV3Config, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Denominators of the loss terms for ``batch`` (see :meth:`mff.model.Model.count_targets`)."""
+    labels = batch.get("labels")
+    if labels is None:
+        return {}
+    docs = batch.get("document_ids")
+    out = {"lm": _count(labels)}
+    for k in range(1, cfg.num_nextn_predict_layers + 1):
+        out[f"mtp.{k}"] = _count(mtp_labels(labels, docs, k))
+    out["balance"] = torch.tensor(labels.shape[0], dtype=torch.int64)
+    return out
+
+
+def _is_mtp(cfg: DeepseekV3Config, path: str) -> bool:
+    parts = path.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and int(parts[2]) >= cfg.num_hidden_layers
+
+
+def param_counts(cfg: DeepseekV3Config, shapes: Mapping[str, torch.Size]) -> dict[str, int]:
+    """``total`` params and ``activated`` per token (routed experts count K/E of their size, the
+    output head counts, the embedding lookup does not), each also without MTP (``*_no_mtp``)."""
+    frac = cfg.num_experts_per_tok / cfg.n_routed_experts if cfg.n_routed_experts else 1.0
+    res = {"total": 0, "activated": 0.0, "total_no_mtp": 0, "activated_no_mtp": 0.0}
+    for path, shape in shapes.items():
+        n = math.prod(shape)
+        act = n * frac if ".experts." in path else (0 if path == "model.embed_tokens.weight" and not cfg.tie_word_embeddings else n)
+        res["total"] += n
+        res["activated"] += act
+        if not _is_mtp(cfg, path):
+            res["total_no_mtp"] += n
+            res["activated_no_mtp"] += act
+    return {k: int(round(v)) for k, v in res.items()}
+
+
+def train_flops_per_token(cfg: DeepseekV3Config, shapes: Mapping[str, torch.Size], seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (activated params without the embedding lookup, plus the
+    head once more per MTP depth) + causal attention ``6 H (qk + v) (T + 1) / 2`` per layer
+    (the PaLM paper's appendix B count, with the causal mask halving the context)."""
+    counts = param_counts(cfg, shapes)
+    dense = counts["activated"] + cfg.num_nextn_predict_layers * cfg.vocab_size * cfg.hidden_size
+    layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    attn = layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * (seq_len + 1) / 2
+    return 6.0 * (dense + attn)
+
+
+FAMILY = Family(
+    name="deepseek3",
+    config_cls=DeepseekV3Config,
+    sizes=SIZES,
+    default_size="tiny",
+    skeleton=DeepseekV3ForCausalLM,
+    init_table=init_table,
+    sharding_table=SHARDING_TABLE,
+    count_targets=count_targets,
+    param_counts=param_counts,
+    train_flops_per_token=train_flops_per_token,
+    fp32_params=("**.mlp.gate.weight", "**.e_score_correction_bias"),
+    frozen_params=("**.e_score_correction_bias",),
+    hf_model_types=("deepseek_v3",),
+    description="DeepSeek-V3: MLA, MoE with aux-loss-free routing, MTP",
+)
+
+
+def replace(cfg: DeepseekV3Config, **changes) -> DeepseekV3Config:
+    """``dataclasses.replace`` re-running the config checks."""
+    return dataclasses.replace(cfg, **changes)

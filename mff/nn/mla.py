@@ -1,0 +1,84 @@
+"""Multi-head Latent Attention (MLA), DeepSeek-V2/V3 (arXiv 2412.19437 section 2.1.1), the
+naive (expanded) path used for training and full-sequence forward.
+
+Param names are HF transformers' ``DeepseekV3Attention``:
+``q_a_proj`` [q_lora, D], ``q_a_layernorm`` [q_lora], ``q_b_proj`` [H*(N+R), q_lora]
+(or ``q_proj`` [H*(N+R), D] when ``q_lora_rank`` is None), ``kv_a_proj_with_mqa``
+[C+R, D], ``kv_a_layernorm`` [C], ``kv_b_proj`` [H*(N+Vd), C], ``o_proj`` [D, H*Vd].
+
+Shape legend: B batch, T sequence, D hidden, H heads, N qk_nope_head_dim, R qk_rope_head_dim,
+Vd v_head_dim, C kv_lora_rank. Numerics follow HF ``DeepseekV3Attention``: the softmax scale is
+``(N + R) ** -0.5`` times the YaRN correction (:func:`mff.nn.rope.yarn_softmax_scale`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mff.nn.attention import causal_attention
+from mff.nn.layers import Linear, RMSNorm
+from mff.nn.rope import apply_rope
+
+__all__ = ["MLA"]
+
+
+class MLA(nn.Module):
+    """MLA block. ``forward(x [B,T,D], cos, sin [B,T,R], mask [B,1,T,T] | None) -> [B,T,D]``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        softmax_scale: float,
+        rope_interleave: bool,
+        attention_bias: bool = False,
+        eps: float = 1e-6,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.softmax_scale = softmax_scale
+        self.rope_interleave = rope_interleave
+        qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.q_proj = Linear(hidden_size, num_heads * qk_dim)
+        else:
+            self.q_a_proj = Linear(hidden_size, q_lora_rank, bias=attention_bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+            self.q_b_proj = Linear(q_lora_rank, num_heads * qk_dim)
+        self.kv_a_proj_with_mqa = Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=attention_bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
+        self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        H = self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BTHK = q.view(B, T, H, self.nope + self.rope)
+        q_nope, q_rot = q_BTHK.split([self.nope, self.rope], dim=-1)
+
+        kv_a = self.kv_a_proj_with_mqa(x_BTD)
+        c_BTC, k_rot_BTR = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
+        c_BTC = self.kv_a_layernorm(c_BTC)
+
+        q_rot = apply_rope(q_rot, cos, sin, self.rope_interleave)
+        k_rot_BT1R = apply_rope(k_rot_BTR.unsqueeze(2), cos, sin, self.rope_interleave)
+
+        kv = self.kv_b_proj(c_BTC).view(B, T, H, self.nope + self.v_dim)
+        k_nope, v_BTHV = kv.split([self.nope, self.v_dim], dim=-1)
+        q_full = torch.cat((q_nope, q_rot), dim=-1)
+        k_full = torch.cat((k_nope, k_rot_BT1R.expand(B, T, H, self.rope)), dim=-1)
+        o_BTHV = causal_attention(q_full, k_full, v_BTHV, self.softmax_scale, mask)
+        return self.o_proj(o_BTHV.reshape(B, T, H * self.v_dim))

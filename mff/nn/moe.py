@@ -1,0 +1,167 @@
+"""Mixture of Experts, dropless, DeepSeek-V3 style (arXiv 2412.19437 sections 2.1.2 and 2.1.3).
+
+- Router (``gate``): sigmoid affinities ``s = sigmoid(x W_g^T)`` in fp32; the expert bias
+  ``e_score_correction_bias`` [E] (fp32, not trained by gradients) is added for *selection
+  only*; optional group limit (``n_group`` groups scored by the sum of their top-2 biased
+  scores, ``topk_group`` kept); top-k; gate weights are the unbiased scores of the chosen
+  experts, normalised to sum 1 when ``norm_topk_prob``, times ``routed_scaling_factor``.
+  Matches HF ``DeepseekV3TopkRouter``.
+- Routed experts stacked as HF v5 stores them: ``gate_up_proj`` [E, 2I, D] (gate rows first,
+  then up rows) and ``down_proj`` [E, D, I]. Token slots are sorted by expert and multiplied
+  with a grouped GEMM (``mff.backend.ops.grouped_mm``: ``torch._grouped_mm`` or a per-expert
+  loop); no token is dropped.
+- Shared experts: one gated MLP of width ``moe_intermediate_size * n_shared_experts``.
+- Outputs for the step function: per-expert token counts (the load used by aux-loss-free
+  balancing) and the sequence-wise balance loss terms (eq. 17-20, before alpha).
+
+Shape legend: B batch, T sequence, N = B*T tokens, D hidden, E experts, K top-k, I expert width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mff.backend import ops
+from mff.nn.layers import Linear
+from mff.nn.mlp import GatedMLP
+from mff.parallel.gather import gather
+
+__all__ = ["select_experts", "sequence_balance_loss", "Router", "Experts", "MoE"]
+
+
+def select_experts(
+    scores_NE: torch.Tensor,
+    bias_E: torch.Tensor | None,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose ``top_k`` experts per token from sigmoid scores (DeepSeek-V3 routing).
+
+    Args:
+        scores_NE: affinities in [0, 1], fp32, [N, E].
+        bias_E: the expert bias added for selection only, or None.
+        n_group, topk_group: group-limited routing (E must divide into n_group groups).
+    Returns:
+        weights_NK (fp32) and indices_NK (int64).
+    Raises:
+        ValueError: E not divisible by n_group, topk_group > n_group, or top_k larger than the
+            experts left after the group limit.
+    """
+    N, E = scores_NE.shape
+    choice = scores_NE if bias_E is None else scores_NE + bias_E
+    if n_group > 1:
+        if E % n_group or topk_group > n_group:
+            raise ValueError(f"group-limited routing needs E % n_group == 0 and topk_group <= n_group; got E={E}, n_group={n_group}, topk_group={topk_group}")
+        per_group = E // n_group
+        if top_k > topk_group * per_group:
+            raise ValueError(f"top_k {top_k} exceeds the {topk_group * per_group} experts in {topk_group} groups")
+        grouped = choice.view(N, n_group, per_group)
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [N, G]
+        keep = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~group_mask.repeat_interleave(per_group, dim=1), float("-inf"))
+    idx_NK = torch.topk(choice, k=top_k, dim=-1, sorted=False).indices
+    w_NK = scores_NE.gather(1, idx_NK)
+    if norm_topk_prob:
+        w_NK = w_NK / (w_NK.sum(dim=-1, keepdim=True) + 1e-20)
+    return w_NK * routed_scaling_factor, idx_NK
+
+
+def sequence_balance_loss(scores_BTE: torch.Tensor, idx_BTK: torch.Tensor) -> torch.Tensor:
+    """Sequence-wise balance loss per sequence, before alpha (DeepSeek-V3 eq. 17-20).
+
+    ``f_i = E / (K T) * #{t : i in TopK(t)}``, ``P_i = mean_t s_{i,t} / sum_j s_{j,t}``,
+    returns ``sum_i f_i P_i`` [B] in fp32. Equals 1 for perfectly uniform routing.
+    """
+    B, T, E = scores_BTE.shape
+    K = idx_BTK.shape[-1]
+    counts_BE = torch.zeros(B, E, dtype=scores_BTE.dtype, device=scores_BTE.device)
+    counts_BE.scatter_add_(1, idx_BTK.reshape(B, T * K), torch.ones(B, T * K, dtype=scores_BTE.dtype, device=scores_BTE.device))
+    f_BE = counts_BE * (E / (K * T))
+    p_BE = (scores_BTE / scores_BTE.sum(-1, keepdim=True)).mean(1)
+    return (f_BE * p_BE).sum(-1)
+
+
+class Router(nn.Module):
+    """``weight`` [E, D] and ``e_score_correction_bias`` [E], both fp32.
+
+    ``forward(x [N, D]) -> scores [N, E] (fp32 sigmoid), weights [N, K], indices [N, K]``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = F.linear(x_ND.float(), gather(self.weight).float())
+        scores = logits.sigmoid()
+        bias = gather(self.e_score_correction_bias).detach().float()
+        w, idx = select_experts(scores, bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
+        return scores, w, idx
+
+
+class Experts(nn.Module):
+    """Stacked routed experts. ``forward(x [N, D], weights [N, K], indices [N, K]) -> (y [N, D], counts [E])``.
+
+    ``y_n = sum_k weights[n, k] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` with ``e = indices[n, k]``;
+    ``counts`` are the token slots per expert (int64).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        N, D = x_ND.shape
+        K = idx_NK.shape[1]
+        flat = idx_NK.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of_slot = order // K
+        counts_E = torch.bincount(flat, minlength=self.num_experts)
+        counts = counts_E.tolist()  # host sync: group sizes for the grouped GEMM
+        x_SD = x_ND[token_of_slot]
+        gate_up = gather(self.gate_up_proj).transpose(1, 2)  # [E, D, 2I]
+        down = gather(self.down_proj).transpose(1, 2)  # [E, I, D]
+        h = ops.grouped_mm(x_SD, gate_up, counts)
+        g, u = h.chunk(2, dim=-1)
+        y_SD = ops.grouped_mm(F.silu(g) * u, down, counts)
+        y_SD = y_SD * w_NK.reshape(-1)[order, None]
+        out = torch.zeros(N, D, dtype=y_SD.dtype, device=x_ND.device).index_add_(0, token_of_slot, y_SD)
+        return out.to(x_ND.dtype), counts_E
+
+
+class MoE(nn.Module):
+    """Router + routed experts + shared experts.
+
+    ``forward(x [B, T, D]) -> (y [B, T, D], load [E] int64, balance [B] fp32)``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int,
+                 n_shared_experts: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                 routed_scaling_factor: float):
+        super().__init__()
+        self.gate = Router(hidden_size, num_experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_experts = GatedMLP(hidden_size, intermediate_size * n_shared_experts) if n_shared_experts else None
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        scores, w, idx = self.gate(x_ND)
+        y, load = self.experts(x_ND, w, idx)
+        y = y.view(B, T, D)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_BTD)
+        balance = sequence_balance_loss(scores.view(B, T, -1), idx.view(B, T, -1))
+        return y, load, balance

@@ -1,0 +1,127 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) with default and YaRN frequencies.
+
+Numerics follow HF transformers (``modeling_rope_utils._compute_yarn_parameters`` and the
+DeepSeek-V3 rotary code): inverse frequencies in fp32; angles ``position * inv_freq`` in fp32;
+cos/sin scaled by the YaRN attention factor and cast to the activation dtype. Two layouts:
+``interleave=False`` rotates halves (``rotate_half``); ``interleave=True`` is DeepSeek's layout,
+rotating adjacent pairs ``(x0, x1), (x2, x3), ...`` and writing the result de-interleaved
+(evens then odds), as HF's ``apply_rotary_pos_emb_interleave`` does, so q and k stay consistent.
+
+YaRN: Peng et al. 2023 (arXiv 2309.00071), sections 3.2-3.4; DeepSeek-V3's softmax-scale
+correction ``mscale(factor, mscale_all_dim)^2`` (DeepSeek-V2 paper, appendix; HF
+``yarn_apply_mscale``) is :func:`yarn_softmax_scale`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["RopeParameters", "yarn_get_mscale", "rope_inv_freq", "yarn_softmax_scale", "rope_cos_sin", "apply_rope"]
+
+
+@dataclass(frozen=True)
+class RopeParameters:
+    """HF v5 ``rope_parameters`` (v4: ``rope_theta`` + ``rope_scaling``)."""
+
+    rope_type: Literal["default", "yarn"] = "default"
+    """Frequency scheme: default RoPE or YaRN."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    factor: float = 1.0
+    """YaRN context extension factor (s)."""
+    beta_fast: float = 32.0
+    """YaRN: rotations above which dims are extrapolated (alpha boundary)."""
+    beta_slow: float = 1.0
+    """YaRN: rotations below which dims are interpolated."""
+    mscale: float = 1.0
+    """YaRN: numerator mscale of the cos/sin attention factor."""
+    mscale_all_dim: float = 0.0
+    """YaRN: denominator mscale of the cos/sin factor and the softmax-scale correction (0 = off)."""
+    original_max_position_embeddings: int = 4096
+    """YaRN: context length of pretraining."""
+    attention_factor: float | None = None
+    """YaRN: explicit cos/sin factor (None = derived from factor, mscale, mscale_all_dim)."""
+    truncate: bool = True
+    """YaRN: round the correction range to whole dims (HF default)."""
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * ln(scale) + 1`` for scale > 1, else 1.0."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_inv_freq(rope: RopeParameters, dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim // 2] (fp32, on CPU) and the cos/sin attention factor.
+
+    Raises:
+        ValueError: an odd ``dim``, or YaRN with factor < 1.
+    """
+    if dim % 2:
+        raise ValueError(f"rotary dim must be even, got {dim}")
+    base = rope.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    inv_freq = 1.0 / pos_freqs
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type != "yarn":
+        raise ValueError(f"rope_type {rope.rope_type!r}; expected 'default' or 'yarn'")
+    factor = rope.factor
+    if factor < 1:
+        raise ValueError(f"YaRN factor {factor} must be >= 1")
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = yarn_get_mscale(factor, rope.mscale) / yarn_get_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention_factor = yarn_get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1 = keep the original frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def yarn_softmax_scale(rope: RopeParameters) -> float:
+    """Multiplier of MLA's softmax scale ``qk_head_dim ** -0.5``: ``mscale(factor, mscale_all_dim)^2``
+    under YaRN with ``mscale_all_dim`` set, else 1.0 (DeepSeek-V2/V3; HF ``yarn_apply_mscale``)."""
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        m = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        return m * m
+    return 1.0
+
+
+def rope_cos_sin(
+    position_ids_BT: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, T, dim] (``cat(freqs, freqs)``), computed in fp32, scaled, cast to ``dtype``."""
+    freqs = position_ids_BT[..., None].float() * inv_freq.to(position_ids_BT.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+
+
+def apply_rope(x_BTHR: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, interleave: bool = False) -> torch.Tensor:
+    """Rotate ``x`` [B, T, H, R] by cos/sin [B, T, R] (broadcast over heads)."""
+    cos, sin = cos_BTR.unsqueeze(2), sin_BTR.unsqueeze(2)
+    if interleave:
+        half = cos.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x_BTHR[..., 0::2], x_BTHR[..., 1::2]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    half = x_BTHR.shape[-1] // 2
+    rotated = torch.cat((-x_BTHR[..., half:], x_BTHR[..., :half]), dim=-1)
+    return x_BTHR * cos + rotated * sin

@@ -1,0 +1,107 @@
+"""Sharding as data: a family's table maps param path patterns to logical axes per tensor dim;
+the run maps logical axes to mesh axes; the two give each param its DTensor placements.
+
+Rules (first matching row wins; see ``mff.tree`` for the pattern syntax):
+- a param that no row matches is an error;
+- a row whose number of logical axes differs from the param's ndim is an error;
+- ``Shard`` on a mesh axis of size 1 is ``Replicate``;
+- a dim whose size does not divide its mesh axis is an error naming the param, dim and sizes;
+- a mesh axis shards at most one dim of a param (the first dim mapped to it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from mff.tree import first_match
+
+__all__ = ["ShardingTable", "DEFAULT_AXIS_MAP", "resolve_placements", "shard_params", "placements_of", "describe_placement"]
+
+ShardingTable = Sequence[tuple[str, tuple[str | None, ...]]]
+
+DEFAULT_AXIS_MAP: Mapping[str, str | None] = {
+    "embed": "dp_shard",
+    "vocab": "tp",
+    "heads": "tp",
+    "mlp": "tp",
+    "expert": None,
+}
+"""Logical axis -> mesh axis (None = never sharded). ``embed`` (the hidden dim) is the dim FSDP splits."""
+
+
+def resolve_placements(
+    path: str,
+    shape: Sequence[int],
+    table: ShardingTable,
+    mesh: DeviceMesh,
+    axis_map: Mapping[str, str | None] = DEFAULT_AXIS_MAP,
+) -> tuple[Placement, ...]:
+    """Placements of param ``path`` (global ``shape``) on ``mesh``: one per mesh axis.
+
+    Raises:
+        ValueError: no table row matches ``path``; the row's axes do not fit ``shape``; an
+            unknown logical axis; a dim that does not divide its mesh axis.
+    """
+    hit = first_match(path, table)
+    if hit is None:
+        raise ValueError(f"param {path!r}: no row of the sharding table matches it")
+    pattern, axes = hit
+    if len(axes) != len(shape):
+        raise ValueError(f"param {path!r} has {len(shape)} dims {tuple(shape)}, but sharding row {pattern!r} names {len(axes)} axes {axes}")
+    names = list(mesh.mesh_dim_names or ())
+    placements: list[Placement] = [Replicate()] * mesh.ndim
+    for dim, logical in enumerate(axes):
+        if logical is None:
+            continue
+        if logical not in axis_map:
+            raise ValueError(f"param {path!r}: logical axis {logical!r} (row {pattern!r}) is not in the axis map {sorted(axis_map)}")
+        mesh_axis = axis_map[logical]
+        if mesh_axis is None or mesh_axis not in names:
+            continue
+        i = names.index(mesh_axis)
+        size = mesh.size(i)
+        if size == 1 or isinstance(placements[i], Shard):
+            continue
+        if shape[dim] % size:
+            raise ValueError(
+                f"param {path!r}: dim {dim} of size {shape[dim]} ({logical}) does not divide mesh axis {mesh_axis!r} of size {size}"
+            )
+        placements[i] = Shard(dim)
+    return tuple(placements)
+
+
+def shard_params(
+    params: Mapping[str, torch.Tensor],
+    table: ShardingTable,
+    mesh: DeviceMesh,
+    axis_map: Mapping[str, str | None] = DEFAULT_AXIS_MAP,
+) -> dict[str, DTensor]:
+    """Distribute full tensors (the same on every rank) into DTensors on ``mesh``.
+
+    ``requires_grad`` is carried over. Raises as :func:`resolve_placements`.
+    """
+    out = {}
+    for path, t in params.items():
+        placements = resolve_placements(path, t.shape, table, mesh, axis_map)
+        d = distribute_tensor(t.detach(), mesh, placements)
+        out[path] = d.requires_grad_(t.requires_grad)
+    return out
+
+
+def describe_placement(placements: Sequence[Placement], mesh: DeviceMesh) -> str:
+    """Human-readable placements, ``dp_shard:S(0)`` per sharded axis or ``replicated``."""
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    parts = [f"{n}:S({p.dim})" for n, p in zip(names, placements) if isinstance(p, Shard)]
+    return " ".join(parts) if parts else "replicated"
+
+
+def placements_of(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{path: description}`` of each DTensor leaf's placements (plain tensors: ``local``)."""
+    out = {}
+    for path, t in params.items():
+        out[path] = describe_placement(t.placements, t.device_mesh) if isinstance(t, DTensor) else "local"
+    return out

@@ -1,0 +1,225 @@
+"""Pretrain a model from scratch: ``python -m mff.recipes.pretrain --model deepseek3``.
+
+backend -> mesh -> model and params -> data -> optimizer -> resume -> loop {step, log, eval,
+checkpoint}. ``--model FAMILY --size NAME`` pick the model config; ``--model.<hf-field>``
+overrides any of its fields; every other option is a flag (``--help`` lists them). Under
+``torchrun`` the same command runs data-parallel (FSDP over ``--parallel.dp-shard``).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
+
+import torch
+
+from mff import ckpt
+from mff.backend import DeviceUnavailable, init_distributed, resolve_device
+from mff.data import DataConfig, Loader, build_pretrain_data, eval_batches, split_microbatches, unigram_entropy
+from mff.models import build
+from mff.optim import AdamWConfig, adamw, warmup_cosine
+from mff.parallel import ParallelConfig, build_mesh, placements_of
+from mff.recipes.common import (
+    RunLog,
+    check_resume_config,
+    config_to_dict,
+    fail,
+    parse_model_args,
+    print0,
+    restore_rng,
+    rng_state,
+)
+from mff.train.metrics import device_peak_flops, memory_estimate_gib, mfu
+from mff.train.step import NonFiniteError, eval_loss, train_step
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class PretrainConfig(Generic[C]):
+    """Pretraining run. ``--model FAMILY`` and ``--size NAME`` choose ``model``'s defaults."""
+
+    model: C
+    """Model config (HF field names), e.g. --model.num-hidden-layers 4."""
+    device: Literal["auto", "cpu", "cuda", "npu"] | None = None
+    """Device type; default: $MF_DEVICE_TYPE, else auto (npu, then cuda, then cpu)."""
+    steps: int = 300
+    """Optimizer steps of the whole run (the lr schedule spans them)."""
+    stop_after: int | None = None
+    """End after this step with a checkpoint, as a preemption would; rerun to continue."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    batch_size: int = 16
+    """Global batch in sequences per optimizer step (split over data-parallel ranks and micro-batches)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    seed: int = 0
+    """Seed of the param init and the data order."""
+    ckpt_dir: str = "runs/pretrain"
+    """Checkpoint folder; a run with a complete checkpoint there resumes from it."""
+    save_every: int = 100
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints (0 = all)."""
+    eval_every: int = 100
+    """Validate every N steps and at the last step (0 = never)."""
+    eval_iters: int = 0
+    """Validation batches per evaluation (0 = the whole validation split)."""
+    metrics_file: str | None = None
+    """Append one JSON object per step to this file (rank 0)."""
+    threads: int | None = None
+    """torch CPU threads (default: torch's choice)."""
+    optim: AdamWConfig = AdamWConfig()
+    """AdamW and schedule."""
+    data: DataConfig = DataConfig()
+    """Training data."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Parallel sizes."""
+
+
+def _check(cfg: PretrainConfig, model, dp_size: int) -> None:
+    mc = model.config
+    if cfg.seq_len < 1 or cfg.seq_len > mc.max_position_embeddings:
+        raise ValueError(f"--seq-len {cfg.seq_len} must be in [1, {mc.max_position_embeddings}] (the model's max_position_embeddings)")
+    if cfg.steps < 1:
+        raise ValueError(f"--steps {cfg.steps} must be >= 1")
+    if cfg.stop_after is not None and not 1 <= cfg.stop_after <= cfg.steps:
+        raise ValueError(f"--stop-after {cfg.stop_after} must be in [1, --steps {cfg.steps}]")
+    if cfg.grad_accum < 1:
+        raise ValueError(f"--grad-accum {cfg.grad_accum} must be >= 1")
+    if cfg.batch_size < 1 or cfg.batch_size % (dp_size * cfg.grad_accum):
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} must be divisible by data-parallel ranks {dp_size} x --grad-accum {cfg.grad_accum} = {dp_size * cfg.grad_accum}"
+        )
+    if cfg.eval_iters < 0:
+        raise ValueError(f"--eval-iters {cfg.eval_iters} must be >= 0 (0 = the whole validation split)")
+    if cfg.optim.warmup_steps > cfg.steps:
+        raise ValueError(f"--optim.warmup-steps {cfg.optim.warmup_steps} exceeds --steps {cfg.steps}")
+
+
+def _rank_slices(batches: list[dict], rank: int, size: int) -> list[dict]:
+    """This rank's rows of each batch: every rank runs the same number of forwards (FSDP's
+    gathers are collectives)."""
+    out = []
+    for b in batches:
+        parts = {k: torch.tensor_split(v, size)[rank] for k, v in b.items()}
+        if parts["input_ids"].shape[0] == 0:
+            raise ValueError(f"the validation split has {b['input_ids'].shape[0]} windows, fewer than the {size} data-parallel ranks")
+        out.append(parts)
+    return out
+
+
+def run(cfg: PretrainConfig, family: str, size: str) -> int:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    # backend -> mesh
+    dist_info = init_distributed(resolve_device(cfg.device), cfg.parallel.timeout_s)
+    mesh = build_mesh(dist_info.device_type, cfg.parallel, dist_info.world_size)
+    dp_size = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+    dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+    # model
+    model = build(family, cfg.model)
+    _check(cfg, model, dp_size)
+    # data
+    data = build_pretrain_data(cfg.data, cfg.seq_len, quiet=dist_info.rank != 0)
+    if data.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}; raise --model.vocab-size")
+    loader = Loader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
+    n_val = cfg.eval_iters or max(1, len(data.val) // cfg.batch_size)
+    val_batches = _rank_slices(eval_batches(data.val, cfg.batch_size, n_val), dp_rank, dp_size) if cfg.eval_every else []
+    # params and optimizer
+    params = model.init(cfg.seed, dist_info.device, torch.float32, mesh)
+    opt_state = adamw.init(params)
+    start, tokens_seen = 0, 0
+    # resume
+    last = ckpt.latest_step_dir(cfg.ckpt_dir)
+    if last is not None:
+        check_resume_config(ckpt.read_meta(last), family, model.config)
+        params, opt_state, meta = ckpt.load(last, params, opt_state)
+        start, tokens_seen = meta["step"], meta["tokens_seen"]
+        loader.load_state_dict(meta["data"])
+        restore_rng(meta["rng"])
+        print0(f"resumed from {last} (step {start}, {tokens_seen:,} tokens seen)")
+    end = min(cfg.steps, cfg.stop_after or cfg.steps)
+
+    counts = model.param_counts()
+    peak, peak_src = device_peak_flops(dist_info.device)
+    flops_per_token = model.train_flops_per_token(cfg.seq_len)
+    local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values())
+    local_trainable = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values() if p.requires_grad)
+    mc = model.config
+    mem = memory_estimate_gib(local_numel, 4, local_trainable, cfg.batch_size // dp_size // cfg.grad_accum * cfg.seq_len,
+                              mc.hidden_size, mc.num_hidden_layers, mc.num_attention_heads, cfg.seq_len, 4)
+    placements = placements_of(params)
+    print0(f"model {family}/{size}: {counts['total']:,} params ({counts['activated']:,} activated per token; "
+           f"without MTP {counts['total_no_mtp']:,} / {counts['activated_no_mtp']:,})")
+    print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}, "
+           f"placements: {sorted(set(placements.values()))}")
+    print0("memory per device (estimate): " + ", ".join(f"{k} {v:.3f} GiB" for k, v in mem.items()))
+    print0(f"data: train {len(data.train):,} windows, val {len(data.val):,} windows of {cfg.seq_len + 1} tokens; "
+           f"vocab {data.vocab_size}; peak {peak / 1e9:.1f} GFLOP/s ({peak_src}); {flops_per_token / 1e6:.1f} MFLOP/token")
+    val_entropy = unigram_entropy(data.val.tokens, data.vocab_size)
+
+    # loop
+    log = RunLog(cfg.metrics_file, total=cfg.steps, initial=start)
+    stop = {"signal": None}
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.__setitem__("signal", signum))
+    meta_base = {"family": family, "size": size, "config": config_to_dict(model.config), "run": config_to_dict(cfg, skip=("model",)),
+                 "mesh": {"axes": list(mesh.mesh_dim_names), "shape": list(mesh.shape)}, "placements": placements}
+
+    def save(step: int) -> None:
+        meta = {**meta_base, "tokens_seen": tokens_seen, "data": loader.state_dict(), "rng": rng_state()}
+        path = ckpt.save(cfg.ckpt_dir, step, params, opt_state, meta, cfg.keep_last)
+        log.write(f"checkpoint {path}")
+
+    if start >= end:
+        print0(f"nothing to do: the checkpoint is at step {start} and the run ends at step {end}")
+        log.close()
+        return 0
+    step = start
+    try:
+        for step in range(start + 1, end + 1):
+            t0 = time.perf_counter()
+            lr = warmup_cosine(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
+            batch = {k: v.to(dist_info.device) for k, v in loader.next_batch().items()}
+            stats = train_step(model, params, opt_state, split_microbatches(batch, cfg.grad_accum), lr, cfg.optim,
+                               model.config.moe_router_bias_update_rate)
+            tokens_seen += stats.tokens
+            dt = time.perf_counter() - t0
+            tps = stats.tokens / dt
+            rec = {"step": step, "loss": stats.loss, "lm_loss": stats.losses.get("lm"), "balance_loss": stats.losses.get("balance", 0.0),
+                   "mtp_loss": stats.losses.get("mtp", 0.0), "lr": lr, "grad_norm": stats.grad_norm, "tokens_per_s": tps,
+                   "mfu": mfu(flops_per_token, tps, peak, dist_info.world_size)}
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                rec["val_loss"] = eval_loss(model, params, [{k: v.to(dist_info.device) for k, v in b.items()} for b in val_batches])
+            log.step(rec, val_entropy)
+            if step == end or (cfg.save_every and step % cfg.save_every == 0) or stop["signal"]:
+                save(step)
+            if stop["signal"]:
+                log.write(f"signal {stop['signal']}: checkpoint saved at step {step}; rerun the same command to resume")
+                log.close()
+                return 128 + int(stop["signal"])
+    except NonFiniteError as e:
+        log.close()
+        last = ckpt.latest_step_dir(cfg.ckpt_dir)
+        raise NonFiniteError(f"step {step}: {e}; nothing was saved for this step (last checkpoint: {last or 'none'})") from None
+    log.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        family, size, cfg = parse_model_args(PretrainConfig, argv, prog="python -m mff.recipes.pretrain", description=__doc__)
+        return run(cfg, family, size)
+    except (ValueError, FileNotFoundError, DeviceUnavailable) as e:
+        return fail(e, 2)
+    except (ckpt.CheckpointError, NonFiniteError) as e:
+        return fail(e, 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The training step and its metrics (throughput, MFU, memory estimate)."""

@@ -1,0 +1,96 @@
+"""Throughput, MFU and memory figures printed by the recipes.
+
+MFU = achieved model FLOP/s per device over the device's peak. Model FLOPs per token come from
+the family (6 x activated params + attention, see ``train_flops_per_token``). Peaks: a table
+of dense bf16 figures from vendor data sheets for accelerators (not measured here), and on CPU
+a fp32 matmul measured at start (so CPU MFU is relative to what this machine's BLAS reaches).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["PEAK_FLOPS", "measure_matmul_flops", "device_peak_flops", "mfu", "memory_estimate_gib"]
+
+PEAK_FLOPS = {
+    # device-name substring -> dense bf16 FLOP/s (vendor data sheets)
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "910B": 313e12,  # Ascend 910B (unverified in this project)
+    "910C": 626e12,  # Ascend 910C (unverified in this project)
+}
+
+
+def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+    """FLOP/s of an ``n x n @ n x n`` matmul on ``device``, best of repeated timings over about
+    ``seconds`` (2 n^3 FLOPs per product)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        (a @ b).sum().item()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > deadline:
+            break
+    return 2 * n**3 / best
+
+
+def device_peak_flops(device: torch.device, measure_cpu: bool = True) -> tuple[float, str]:
+    """``(peak FLOP/s, source)`` for ``device``: the table for known accelerators, a measured
+    matmul on CPU (or for unknown accelerators)."""
+    name = "cpu"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "npu":
+        try:
+            name = torch.npu.get_device_name(device)
+        except Exception:
+            name = "npu"
+    for key, peak in PEAK_FLOPS.items():
+        if key in name:
+            return peak, f"{name} bf16 data sheet"
+    if not measure_cpu:
+        return float("nan"), name
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    return measure_matmul_flops(device, dtype), f"{name} measured {str(dtype).replace('torch.', '')} matmul"
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float, world_size: int = 1) -> float:
+    """Model FLOPs utilisation in [0, 1]: ``flops_per_token * tokens/s / (peak * devices)``."""
+    return flops_per_token * tokens_per_s / (peak_flops * world_size)
+
+
+def memory_estimate_gib(
+    n_params_local: int,
+    param_bytes: int,
+    n_trainable_local: int,
+    tokens_per_micro_batch: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    seq_len: int,
+    act_bytes: int,
+) -> dict[str, float]:
+    """Rough per-device memory in GiB: params, grads, AdamW moments (2 x fp32) and activations
+    (Korthikanti et al. 2022, eq. 2: ``s b h (34 + 5 a s / h)`` bytes per layer at 2-byte
+    activations, scaled to ``act_bytes``)."""
+    gib = 1024**3
+    act = tokens_per_micro_batch * hidden * (34 + 5 * heads * seq_len / hidden) * layers * act_bytes / 2
+    out = {
+        "params": n_params_local * param_bytes / gib,
+        "grads": n_trainable_local * param_bytes / gib,
+        "optimizer": n_trainable_local * 8 / gib,
+        "activations": act / gib,
+    }
+    out["total"] = sum(out.values())
+    return out

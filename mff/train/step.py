@@ -1,0 +1,155 @@
+"""One optimizer step over micro-batches: functional forward, ``torch.autograd.grad`` over the
+param leaves, global-count loss normalisation, clipping, AdamW, and the expert-bias update.
+
+Loss normalisation: every loss term is divided by its count over the whole step (all
+micro-batches, all data-parallel ranks), computed before the first forward from the labels
+(:meth:`mff.model.Model.count_targets`); so two micro-batches with 1 and 3 target tokens weigh
+each token equally, not each micro-batch (torchtitan's rule, not a mean of means).
+
+Aux-loss-free balancing (DeepSeek-V3 section 2.1.2): after the update, each MoE layer's
+``e_score_correction_bias`` moves by ``rate * sign(mean(load) - load)``, with the load summed
+over the step's micro-batches and the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from mff.model import Model
+from mff.nn.loss import count_targets, cross_entropy_sum
+from mff.optim import adamw
+from mff.optim.adamw import AdamWConfig
+from mff.optim.clip import clip_grads_
+
+__all__ = ["NonFiniteError", "StepStats", "global_counts", "train_step", "update_expert_bias", "eval_loss"]
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the grad norm is NaN or inf; params and optimizer state were left unchanged."""
+
+
+@dataclass
+class StepStats:
+    """Results of one step: ``loss`` (sum of the weighted terms), ``losses`` per term, the grad
+    norm before clipping, tokens processed over all ranks, and the summed expert loads."""
+
+    loss: float
+    losses: dict[str, float]
+    grad_norm: float
+    tokens: int
+    expert_load: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def global_counts(model: Model, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Loss-term counts summed over ``micro_batches`` and all ranks (int64 0-d, on the CPU)."""
+    total: dict[str, torch.Tensor] = {}
+    for mb in micro_batches:
+        for k, v in model.count_targets(mb).items():
+            total[k] = total.get(k, 0) + v.cpu()
+    if not total:
+        return {}
+    keys = sorted(total)
+    stacked = _all_reduce_sum(torch.stack([total[k] for k in keys]))
+    return dict(zip(keys, stacked.unbind()))
+
+
+@torch.no_grad()
+def update_expert_bias(params: Mapping[str, torch.Tensor], loads: Mapping[str, torch.Tensor], rate: float) -> None:
+    """``bias += rate * sign(mean(load) - load)`` for each MoE layer with an expert bias.
+
+    ``loads``: MoE layer path -> token counts [E] (already summed over ranks). The bias is at
+    ``<layer>.gate.e_score_correction_bias`` (fp32, replicated); layers without one are skipped.
+    """
+    if rate == 0:
+        return
+    for layer, load in loads.items():
+        bias = params.get(f"{layer}.gate.e_score_correction_bias")
+        if bias is None:
+            continue
+        local = bias.to_local() if isinstance(bias, DTensor) else bias
+        load = load.to(device=local.device, dtype=torch.float32)
+        local.add_(rate * torch.sign(load.mean() - load))
+
+
+def train_step(
+    model: Model,
+    params: dict[str, torch.Tensor],
+    opt_state: dict,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    lr: float,
+    optim: AdamWConfig,
+    bias_update_rate: float = 0.0,
+) -> StepStats:
+    """Forward/backward over ``micro_batches``, then clip, AdamW and the expert-bias update.
+
+    Each micro-batch dict is a model batch (see :meth:`mff.model.Model.forward`) with labels.
+    ``params`` and ``opt_state`` are updated in place.
+
+    Raises:
+        NonFiniteError: a non-finite loss or grad norm (checked before anything is updated).
+        AssertionError: a gradient whose placements differ from its param's.
+    """
+    counts = global_counts(model, micro_batches)
+    names = [k for k, v in params.items() if v.requires_grad]
+    leaves = [params[k] for k in names]
+    grads: list[torch.Tensor] | None = None
+    terms: dict[str, torch.Tensor] = {}
+    loads: dict[str, torch.Tensor] = {}
+    tokens = 0
+    for mb in micro_batches:
+        out = model.forward(params, mb, target_counts=counts)
+        g = torch.autograd.grad(out.loss, leaves)
+        if grads is None:
+            grads = list(g)
+        else:
+            torch._foreach_add_(grads, list(g))
+        for k, v in out.losses.items():
+            terms[k] = terms.get(k, 0) + v.detach().float().cpu()
+        for k, v in out.expert_load.items():
+            loads[k] = loads.get(k, 0) + v.cpu()
+        tokens += mb["input_ids"].numel()
+    assert grads is not None, "train_step needs at least one micro-batch"
+    for name, p, g in zip(names, leaves, grads):
+        if isinstance(p, DTensor):
+            assert isinstance(g, DTensor) and g.placements == p.placements, f"grad of {name}: {getattr(g, 'placements', None)} != {p.placements}"
+
+    keys = sorted(terms)
+    reduced = _all_reduce_sum(torch.stack([terms[k] for k in keys])) if keys else torch.zeros(0)
+    losses = {k: float(v) for k, v in zip(keys, reduced)}
+    loss = sum(losses.values())
+    grad_map = dict(zip(names, grads))
+    norm = clip_grads_(grad_map, optim.max_grad_norm)
+    if not math.isfinite(loss) or not math.isfinite(norm):
+        raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'}: loss={loss}, grad_norm={norm} ({losses})")
+    adamw.update(params, grad_map, opt_state, lr, optim)
+    for k in sorted(loads):
+        loads[k] = _all_reduce_sum(loads[k])
+    update_expert_bias(params, loads, bias_update_rate)
+    tokens_t = _all_reduce_sum(torch.tensor(tokens))
+    return StepStats(loss=loss, losses=losses, grad_norm=norm, tokens=int(tokens_t), expert_load=loads)
+
+
+@torch.no_grad()
+def eval_loss(model: Model, params: Mapping[str, torch.Tensor], batches: Sequence[Mapping[str, torch.Tensor]]) -> float:
+    """Mean LM loss per target token over ``batches`` and all ranks (sum of token losses over
+    their count; the main head only, no MTP or balance terms)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for b in batches:
+        inputs = {k: v for k, v in b.items() if k != "labels"}
+        out = model.forward(params, inputs)
+        total[0] += float(cross_entropy_sum(out.logits, b["labels"]))
+        total[1] += float(count_targets(b["labels"]))
+    total = _all_reduce_sum(total)
+    return float(total[0] / total[1].clamp(min=1))

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install mff with its test dependencies and run the test suite.
+# Uses the active virtualenv, or creates ./.venv when none is active.
+# torch is pinned to 2.13.0 here because on this project's CPU machines that pin takes the
+# local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${VIRTUAL_ENV:-}" ]]; then
+    [[ -x .venv/bin/python ]] || python3 -m venv .venv
+    # shellcheck disable=SC1091
+    source .venv/bin/activate
+fi
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet "torch==${MFF_TORCH_VERSION:-2.13.0}"
+python -m pip install --quiet -e ".[test]"
+python -m pytest -q "$@"

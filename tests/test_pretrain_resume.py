@@ -1,0 +1,104 @@
+"""Resume is exact: stop-after + rerun, and SIGKILL after a checkpoint + rerun, reproduce an
+uninterrupted run's losses and final params bit for bit (CPU, fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mff.ckpt import latest_step_dir, step_dir_name
+from tests.cli_util import make_corpus, popen_cli, run_cli, tiny_args
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    corpus = make_corpus(root / "corpus")
+    cache = root / "cache"
+    ref = root / "ref"
+    r = run_cli(tiny_args(corpus) + ["--steps", str(STEPS), "--ckpt-dir", str(ref), "--metrics-file", str(ref / "m.jsonl")], cache, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return root, corpus, cache, ref
+
+
+def _records(path):
+    keep = ("step", "loss", "lm_loss", "mtp_loss", "balance_loss", "lr", "grad_norm")
+    return [{k: rec[k] for k in keep} for rec in map(json.loads, path.read_text().splitlines())]
+
+
+def _final(ckpt_dir, name):
+    return load_file(str(ckpt_dir / step_dir_name(STEPS) / name))
+
+
+def _assert_same_final(a, b):
+    for name in ("model.safetensors", "optim.safetensors"):
+        ta, tb = _final(a, name), _final(b, name)
+        assert ta.keys() == tb.keys()
+        for k in ta:
+            assert torch.equal(ta[k], tb[k]), f"{name}:{k} differs"
+
+
+def test_stop_after_then_rerun_is_bitwise_equal(setup):
+    root, corpus, cache, ref = setup
+    out = root / "stopped"
+    args = tiny_args(corpus) + ["--steps", str(STEPS), "--ckpt-dir", str(out), "--metrics-file", str(out / "m.jsonl")]
+    r = run_cli(args + ["--stop-after", str(STEPS // 2)], cache, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert latest_step_dir(out).name == step_dir_name(STEPS // 2)
+    r = run_cli(args, cache, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from" in r.stdout
+    assert _records(out / "m.jsonl") == _records(ref / "m.jsonl")
+    _assert_same_final(out, ref)
+
+
+def test_sigkill_after_checkpoint_then_rerun_is_bitwise_equal(setup):
+    root, corpus, cache, ref = setup
+    out = root / "killed"
+    args = tiny_args(corpus) + ["--steps", str(STEPS), "--ckpt-dir", str(out), "--save-every", "3", "--metrics-file", str(out / "m.jsonl")]
+    proc = popen_cli(args, cache)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "latest").exists() and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = latest_step_dir(out).name
+    assert killed_at < step_dir_name(STEPS)
+    r = run_cli(args, cache, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {out / killed_at}" in r.stdout
+    _assert_same_final(out, ref)
+    # the metrics file holds the killed run's steps, then the resumed run's from the checkpoint on
+    k = int(killed_at.split("_")[1])
+    assert _records(out / "m.jsonl")[-(STEPS - k):] == _records(ref / "m.jsonl")[k:]
+
+
+def test_sigterm_saves_and_resumes(setup):
+    root, corpus, cache, ref = setup
+    out = root / "termed"
+    args = tiny_args(corpus) + ["--steps", str(STEPS), "--ckpt-dir", str(out), "--save-every", "0", "--metrics-file", str(out / "m.jsonl")]
+    proc = popen_cli(args, cache)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        m = out / "m.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before SIGTERM"
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "checkpoint saved at step" in stdout
+    r = run_cli(args, cache, timeout=600)
+    assert r.returncode == 0, r.stderr
+    _assert_same_final(out, ref)
