@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +50,27 @@ def popen_cli(args: list[str], cache_dir: Path) -> subprocess.Popen:
     env = dict(os.environ, MFF_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "mff.recipes.pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
+
+
+def trained_fixture(root: Path, steps: int, with_metrics: bool = False) -> tuple[Path, Path, Path]:
+    """Make a tiny corpus under ``root`` and train ``steps`` steps into ``root/ckpt``.
+
+    Returns ``(corpus, cache_dir, ckpt_dir)``; the metrics file, when asked for, is
+    ``ckpt_dir/m.jsonl``."""
+    corpus, cache, ckpt = make_corpus(root / "corpus"), root / "cache", root / "ckpt"
+    extra = ["--metrics-file", str(ckpt / "m.jsonl")] if with_metrics else []
+    r = run_cli(tiny_args(corpus) + ["--steps", str(steps), "--ckpt-dir", str(ckpt), *extra], cache, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return corpus, cache, ckpt
+
+
+def wait_for(proc: subprocess.Popen, ready, timeout: float = 300.0) -> None:
+    """Poll until ``ready()`` is true while ``proc`` runs; fail if it ends or time runs out first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before the test could signal it"
+    assert ready(), f"not ready after {timeout} s"
 
 
 def tree_digest(folder: Path) -> dict[str, str]:

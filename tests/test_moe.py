@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mff import backend
-from mff.nn.moe import Experts, sequence_balance_loss, select_experts
+from mff.nn.moe import Experts, select_experts, sequence_balance_loss
 from mff.train.step import update_expert_bias
 
 

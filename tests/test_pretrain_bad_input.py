@@ -8,17 +8,13 @@ import shutil
 
 import pytest
 
-from tests.cli_util import make_corpus, run_cli, tiny_args, tree_digest
+from tests.cli_util import run_cli, tiny_args, trained_fixture, tree_digest
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
-    corpus = make_corpus(root / "corpus")
-    cache = root / "cache"
-    ckpt = root / "ckpt"
-    r = run_cli(tiny_args(corpus) + ["--steps", "3", "--ckpt-dir", str(ckpt)], cache, timeout=600)
-    assert r.returncode == 0, r.stderr
+    corpus, cache, ckpt = trained_fixture(root, 3)
     return root, corpus, cache, ckpt
 
 

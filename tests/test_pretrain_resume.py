@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from mff.ckpt import latest_step_dir, step_dir_name
-from tests.cli_util import make_corpus, popen_cli, run_cli, tiny_args
+from tests.cli_util import popen_cli, run_cli, tiny_args, trained_fixture, wait_for
 
 STEPS = 24
 
@@ -21,11 +20,7 @@ STEPS = 24
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    corpus = make_corpus(root / "corpus")
-    cache = root / "cache"
-    ref = root / "ref"
-    r = run_cli(tiny_args(corpus) + ["--steps", str(STEPS), "--ckpt-dir", str(ref), "--metrics-file", str(ref / "m.jsonl")], cache, timeout=600)
-    assert r.returncode == 0, r.stderr
+    corpus, cache, ref = trained_fixture(root, STEPS, with_metrics=True)
     return root, corpus, cache, ref
 
 
@@ -65,10 +60,7 @@ def test_sigkill_after_checkpoint_then_rerun_is_bitwise_equal(setup):
     out = root / "killed"
     args = tiny_args(corpus) + ["--steps", str(STEPS), "--ckpt-dir", str(out), "--save-every", "3", "--metrics-file", str(out / "m.jsonl")]
     proc = popen_cli(args, cache)
-    deadline = time.time() + 300
-    while time.time() < deadline and not (out / "latest").exists() and proc.poll() is None:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
+    wait_for(proc, lambda: (out / "latest").exists())
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
@@ -88,13 +80,8 @@ def test_sigterm_saves_and_resumes(setup):
     out = root / "termed"
     args = tiny_args(corpus) + ["--steps", str(STEPS), "--ckpt-dir", str(out), "--save-every", "0", "--metrics-file", str(out / "m.jsonl")]
     proc = popen_cli(args, cache)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        m = out / "m.jsonl"
-        if m.exists() and len(m.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before SIGTERM"
+    metrics = out / "m.jsonl"
+    wait_for(proc, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM

@@ -6,12 +6,27 @@ data-parallel batches.
 """
 
 from .config import DataConfig, resolve_cache_dir
-from .corpus import Document, SourceFile, discover_files, is_validation, read_documents, split_documents, stdlib_root
+from .corpus import (
+    Document,
+    SourceFile,
+    discover_files,
+    is_validation,
+    read_documents,
+    split_documents,
+    stdlib_root,
+)
 from .loader import Loader, eval_batches, split_microbatches
 from .packing import PackedTokens, document_ids, windows_to_examples
 from .pretrain import PretrainData, build_pretrain_data
 from .stats import unigram_entropy
-from .tokenizer import EOD_CANDIDATES, encode_documents, find_eod_id, load_tokenizer, token_dtype, train_bpe
+from .tokenizer import (
+    EOD_CANDIDATES,
+    encode_documents,
+    find_eod_id,
+    load_tokenizer,
+    token_dtype,
+    train_bpe,
+)
 
 __all__ = [
     "DataConfig",

@@ -17,7 +17,14 @@ from .cache import atomic_dir, cache_key, file_sha1, save_json, save_npy
 from .config import DataConfig, resolve_cache_dir
 from .corpus import discover_files, read_documents, split_documents
 from .packing import PackedTokens
-from .tokenizer import DEFAULT_EOD_TOKEN, encode_documents, find_eod_id, load_tokenizer, token_dtype, train_bpe
+from .tokenizer import (
+    DEFAULT_EOD_TOKEN,
+    encode_documents,
+    find_eod_id,
+    load_tokenizer,
+    token_dtype,
+    train_bpe,
+)
 
 CACHE_FORMAT = 2
 """Bumped whenever the cached content for the same inputs would change."""

@@ -24,7 +24,8 @@ from torch import nn
 from mff.model import Family, Output
 from mff.nn.attention import document_causal_mask
 from mff.nn.layers import Embedding, RMSNorm
-from mff.nn.loss import count_targets as _count, cross_entropy_sum
+from mff.nn.loss import count_targets as _count
+from mff.nn.loss import cross_entropy_sum
 from mff.nn.mla import MLA
 from mff.nn.mlp import GatedMLP
 from mff.nn.moe import MoE

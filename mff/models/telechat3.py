@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from mff.models.deepseek3 import FAMILY as _DEEPSEEK3, SIZES as _DS_SIZES, DeepseekV3Config
+from mff.models.deepseek3 import FAMILY as _DEEPSEEK3
+from mff.models.deepseek3 import SIZES as _DS_SIZES
+from mff.models.deepseek3 import DeepseekV3Config
 from mff.nn.rope import RopeParameters
 
 __all__ = ["TELECHAT3_DEFAULT", "SIZES", "FAMILY"]

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mff.backend import ops
-from mff.nn.layers import Linear
 from mff.nn.mlp import GatedMLP
 from mff.parallel.gather import gather
 

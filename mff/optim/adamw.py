@@ -12,6 +12,7 @@ that are updated (those with ``requires_grad``); saved as ``optim.safetensors`` 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,21 @@ class AdamWConfig:
     """Linear warmup steps (the first step has lr > 0; the peak is reached at the last warmup step)."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of lr."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.lr) and self.lr >= 0, f"--optim.lr {self.lr} must be a finite number >= 0"),
+            (0 <= self.beta1 < 1, f"--optim.beta1 {self.beta1} must be in [0, 1)"),
+            (0 <= self.beta2 < 1, f"--optim.beta2 {self.beta2} must be in [0, 1)"),
+            (self.eps > 0, f"--optim.eps {self.eps} must be > 0"),
+            (math.isfinite(self.weight_decay) and self.weight_decay >= 0, f"--optim.weight-decay {self.weight_decay} must be >= 0"),
+            (self.max_grad_norm >= 0, f"--optim.max-grad-norm {self.max_grad_norm} must be >= 0 (0 = no clipping)"),
+            (self.warmup_steps >= 0, f"--optim.warmup-steps {self.warmup_steps} must be >= 0"),
+            (0 <= self.min_lr_ratio <= 1, f"--optim.min-lr-ratio {self.min_lr_ratio} must be in [0, 1]"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
 
 
 def decays(path: str, t: torch.Tensor, no_decay: Sequence[str]) -> bool:

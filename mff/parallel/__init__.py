@@ -2,7 +2,12 @@
 
 from mff.parallel.gather import DATA_AXES, gather
 from mff.parallel.mesh import MESH_AXES, ParallelConfig, build_mesh, mesh_shape
-from mff.parallel.sharding import DEFAULT_AXIS_MAP, placements_of, resolve_placements, shard_params
+from mff.parallel.sharding import (
+    DEFAULT_AXIS_MAP,
+    placements_of,
+    resolve_placements,
+    shard_params,
+)
 
 __all__ = [
     "DATA_AXES",

@@ -8,17 +8,26 @@ overrides any of its fields; every other option is a flag (``--help`` lists them
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 import torch
 
 from mff import ckpt
 from mff.backend import DeviceUnavailable, init_distributed, resolve_device
-from mff.data import DataConfig, Loader, build_pretrain_data, eval_batches, split_microbatches, unigram_entropy
+from mff.data import (
+    DataConfig,
+    Loader,
+    build_pretrain_data,
+    eval_batches,
+    split_microbatches,
+    unigram_entropy,
+)
 from mff.models import build
 from mff.optim import AdamWConfig, adamw, warmup_cosine
 from mff.parallel import ParallelConfig, build_mesh, placements_of
@@ -94,6 +103,17 @@ def _check(cfg: PretrainConfig, model, dp_size: int) -> None:
         raise ValueError(
             f"--batch-size {cfg.batch_size} must be divisible by data-parallel ranks {dp_size} x --grad-accum {cfg.grad_accum} = {dp_size * cfg.grad_accum}"
         )
+    for flag, value in (("--save-every", cfg.save_every), ("--keep-last", cfg.keep_last), ("--eval-every", cfg.eval_every)):
+        if value < 0:
+            raise ValueError(f"{flag} {value} must be >= 0")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"--threads {cfg.threads} must be >= 1")
+    ckpt_dir = Path(cfg.ckpt_dir)
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise ValueError(f"--ckpt-dir {cfg.ckpt_dir} exists and is not a folder")
+    probe = ckpt_dir if ckpt_dir.exists() else next((p for p in ckpt_dir.absolute().parents if p.exists()), Path("/"))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--ckpt-dir {cfg.ckpt_dir}: {probe} is not writable")
     if cfg.eval_iters < 0:
         raise ValueError(f"--eval-iters {cfg.eval_iters} must be >= 0 (0 = the whole validation split)")
     if cfg.optim.warmup_steps > cfg.steps:

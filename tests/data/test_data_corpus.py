@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from mff.data import Document, discover_files, is_validation, read_documents, split_documents, stdlib_root
+from mff.data import (
+    Document,
+    discover_files,
+    is_validation,
+    read_documents,
+    split_documents,
+    stdlib_root,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

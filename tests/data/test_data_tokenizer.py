@@ -2,7 +2,15 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from mff.data import discover_files, encode_documents, find_eod_id, load_tokenizer, read_documents, token_dtype, train_bpe
+from mff.data import (
+    discover_files,
+    encode_documents,
+    find_eod_id,
+    load_tokenizer,
+    read_documents,
+    token_dtype,
+    train_bpe,
+)
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld — ünïcode ✓ 🚀\n", "the cat sat on the mat " * 20]
 
