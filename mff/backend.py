@@ -80,14 +80,16 @@ def resolve_device(flag: str | None = None, env: dict[str, str] | None = None) -
     """
     env = os.environ if env is None else env
     if flag is None or flag == "":
-        raw = env.get("MF_DEVICE_TYPE", "auto")
-        choice = _ENV_ALIASES.get(raw.strip().lower())
+        raw = env.get("MF_DEVICE_TYPE", "").strip() or "auto"
+        choice = _ENV_ALIASES.get(raw.lower())
         if choice is None:
             raise ValueError(f"MF_DEVICE_TYPE={raw!r} is not a device; expected one of auto, cpu, cuda (GPU), npu (Ascend)")
+        source = f"MF_DEVICE_TYPE={raw}"
     else:
         choice = flag.strip().lower()
         if choice not in DEVICES:
             raise ValueError(f"--device {flag!r} is not a device; expected one of {', '.join(DEVICES)}")
+        source = f"--device {choice}"
 
     if choice == "auto":
         if _npu_count(_import_torch_npu()) > 0:
@@ -99,20 +101,20 @@ def resolve_device(flag: str | None = None, env: dict[str, str] | None = None) -
         torch_npu = _import_torch_npu()
         if torch_npu is None:
             raise DeviceUnavailable(
-                "--device npu: torch_npu is not installed; install the Ascend CANN toolkit and "
+                f"{source}: torch_npu is not installed; install the Ascend CANN toolkit and "
                 "`pip install 'mff[npu]'` (torch_npu matching your torch version), or use --device cpu"
             )
         if _npu_count(torch_npu) == 0:
-            raise DeviceUnavailable("--device npu: torch_npu imports but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)")
+            raise DeviceUnavailable(f"{source}: torch_npu imports but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)")
         return "npu"
     if choice == "cuda":
         if torch.version.cuda is None:
             raise DeviceUnavailable(
-                f"--device cuda: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build "
+                f"{source}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build "
                 "(see https://pytorch.org/get-started/locally/), or use --device cpu"
             )
         if not torch.cuda.is_available():
-            raise DeviceUnavailable("--device cuda: torch has CUDA but sees no GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+            raise DeviceUnavailable(f"{source}: torch has CUDA but sees no GPU (check the driver and CUDA_VISIBLE_DEVICES)")
         return "cuda"
     return "cpu"
 
@@ -151,7 +153,12 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> DistInfo:
     Without torchrun the single-process environment is filled in (see module doc). The
     device of this rank is set before the group is created (torch_npu requires that before
     ``init_device_mesh``). Collectives time out after ``timeout_s`` seconds.
+
+    Raises:
+        ValueError: ``timeout_s`` not a finite number > 0.
     """
+    if not (timeout_s > 0 and timeout_s != float("inf")):
+        raise ValueError(f"collective timeout {timeout_s} s must be a finite number > 0 (--parallel.timeout-s)")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

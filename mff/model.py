@@ -96,10 +96,13 @@ class Model:
     def __init__(self, family: Family, config: Any):
         if not isinstance(config, family.config_cls):
             raise TypeError(f"{family.name} needs a {family.config_cls.__name__}, got {type(config).__name__}")
+        if hasattr(config, "validate"):
+            config.validate()
         self.family = family
         self.config = config
         with torch.device("meta"):
             self.skeleton = family.skeleton(config)
+        self._shapes = {name: p.shape for name, p in self.skeleton.named_parameters()}
         if list(self.skeleton.buffers()):
             raise AssertionError(f"{family.name} skeleton holds buffers; skeletons must be buffer-free")
 
@@ -109,7 +112,7 @@ class Model:
     # ---- structure -------------------------------------------------------------------
     def param_shapes(self) -> dict[str, torch.Size]:
         """``{path: shape}`` of every param, in the skeleton's order."""
-        return {name: p.shape for name, p in self.skeleton.named_parameters()}
+        return dict(self._shapes)
 
     def is_trainable(self, path: str) -> bool:
         """False for params updated outside the optimizer (the MoE expert bias)."""
@@ -147,6 +150,8 @@ class Model:
             ValueError: a param no init-table row matches; sharding errors (see
                 :func:`mff.parallel.sharding.resolve_placements`).
         """
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         table = self.family.init_table(self.config)
         params = {}
         for path, shape in self.param_shapes().items():
@@ -170,6 +175,43 @@ class Model:
         return out
 
     # ---- compute ---------------------------------------------------------------------
+    def _check_inputs(self, params, batch, target_counts) -> None:
+        def desc(v: Any) -> str:
+            return f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+        unknown = sorted(set(batch) - set(BATCH_KEYS))
+        if unknown:
+            raise ValueError(f"unknown batch keys {unknown}; expected a subset of {list(BATCH_KEYS)}")
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 2:
+            raise ValueError(f"batch['input_ids'] must be a torch int64 tensor [B, T], got {desc(ids)}")
+        if ids.numel() == 0:
+            raise ValueError(f"batch['input_ids'] is empty: shape {tuple(ids.shape)}")
+        for key in BATCH_KEYS[1:]:
+            v = batch.get(key)
+            if v is not None and (not isinstance(v, torch.Tensor) or v.dtype not in (torch.int64, torch.int32) or v.shape != ids.shape):
+                raise ValueError(f"batch[{key!r}] must be an integer tensor shaped like input_ids {tuple(ids.shape)}, got {desc(v)}")
+        pos = batch.get("position_ids")
+        lo_hi = [ids.min(), ids.max()] + ([pos.min(), pos.max()] if pos is not None else [])
+        bounds = torch.stack(lo_hi).tolist()  # one host sync for all range checks
+        vocab = self.config.vocab_size
+        if bounds[0] < 0 or bounds[1] >= vocab:
+            bad = bounds[0] if bounds[0] < 0 else bounds[1]
+            raise ValueError(f"batch['input_ids'] holds token id {bad}, outside the vocabulary [0, {vocab})")
+        if pos is not None and (bounds[2] < 0 or bounds[3] >= self.config.max_position_embeddings):
+            bad = bounds[2] if bounds[2] < 0 else bounds[3]
+            raise ValueError(f"batch['position_ids'] holds position {bad}, outside [0, max_position_embeddings={self.config.max_position_embeddings})")
+        for path, shape in self._shapes.items():
+            p = params.get(path)
+            if p is not None and tuple(p.shape) != tuple(shape):
+                raise ValueError(f"param {path!r} has shape {tuple(p.shape)}, the model expects {tuple(shape)}")
+        if target_counts is not None and "labels" in batch:
+            missing = sorted(set(self.count_targets(batch)) - set(target_counts))
+            if missing:
+                raise ValueError(f"target_counts lacks {missing} (from model.count_targets over the step's batches)")
+
     def count_targets(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-loss-term counts of this batch (``lm`` targets, ``mtp.k`` targets, ``balance``
         rows), int64 0-d tensors. Summed over micro-batches and ranks they are the
@@ -198,15 +240,14 @@ class Model:
         Returns:
             :class:`Output`.
         Raises:
-            ValueError: unknown batch keys, or ``input_ids`` that is not int64 [B, T].
+            TypeError: ``batch`` is not a dict of tensors.
+            ValueError: unknown batch keys; ``input_ids`` not int64 [B, T] or empty; other
+                batch tensors not integer [B, T]; token ids outside [0, vocab_size); positions
+                outside [0, max_position_embeddings); a param of the wrong shape (named);
+                ``target_counts`` lacking a term of this batch.
+            RuntimeError: missing or unexpected param paths (``functional_call(strict=True)``).
         """
-        unknown = sorted(set(batch) - set(BATCH_KEYS))
-        if unknown:
-            raise ValueError(f"unknown batch keys {unknown}; expected a subset of {list(BATCH_KEYS)}")
-        ids = batch.get("input_ids")
-        if ids is None or ids.dtype != torch.int64 or ids.dim() != 2:
-            got = None if ids is None else f"{ids.dtype} {tuple(ids.shape)}"
-            raise ValueError(f"batch['input_ids'] must be int64 [B, T], got {got}")
+        self._check_inputs(params, batch, target_counts)
         kwargs = dict(batch)
         kwargs["target_counts"] = target_counts
         if cache is not None:

@@ -37,6 +37,17 @@ CASES = [
     (["--batch-size", "5", "--grad-accum", "2"], "--batch-size 5 must be divisible by data-parallel ranks 1 x --grad-accum 2 = 2"),
     (["--model.hidden-size", "128"], "hidden_size: checkpoint 64, this run 128"),
     (["--model.vocab-size", "256"], "tokens but the model's vocab_size is 256; raise --model.vocab-size"),
+    (["--model.n-routed-experts", "6", "--model.n-group", "4"], "error: model config: n_routed_experts=6 must divide into n_group=4 groups"),
+    (["--model.n-shared-experts", "-1"], "n_shared_experts=-1 must be >= 0"),
+    (["--model.vocab-size", "100000000000"], "GiB per device"),
+    (["--optim.lr", "nan"], "error: --optim.lr nan must be a finite number >= 0"),
+    (["--optim.min-lr-ratio", "5"], "--optim.min-lr-ratio 5.0 must be in [0, 1]"),
+    (["--save-every", "-1"], "--save-every -1 must be >= 0"),
+    (["--threads", "0"], "--threads 0 must be >= 1"),
+    (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    (["--device", "garbage"], "error: --device 'garbage' is not a device; expected one of auto, cpu, cuda, npu"),
+    (["--parallel.timeout-s", "0"], "--parallel.timeout-s"),
+    (["--seq-len", "16"], "was trained with --seq-len 32; this run has --seq-len 16"),
 ]
 
 
@@ -86,3 +97,47 @@ def test_non_finite_loss_stops_without_saving(base, tmp_path):
     old = {k: v for k, v in before.items() if k.startswith("step_")}
     assert {k: v for k, v in after.items() if k in old} == old  # no earlier checkpoint overwritten or deleted
     assert not (run / f"step_{bad_step:08d}").exists()  # the failed step saved nothing
+
+
+def test_bad_checkpoint_folders(base, tmp_path):
+    root, corpus, cache, ckpt = base
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    _fails(run_cli(_args(corpus, a_file), cache, timeout=300), "exists and is not a folder", 1)
+    _fails(run_cli(_args(corpus, ""), cache, timeout=300), "the checkpoint folder is empty", 1)
+    for content in (b"\x8c\xff\x00", None):
+        broken = tmp_path / f"latest-{content is None}"
+        shutil.copytree(ckpt, broken)
+        (broken / "latest").unlink()
+        if content is None:
+            (broken / "latest").mkdir()
+        else:
+            (broken / "latest").write_bytes(content)
+        _fails(run_cli(_args(corpus, broken), cache, timeout=300), str(broken / "latest"), 1)
+
+
+def test_second_run_on_a_locked_folder_is_refused(base, tmp_path):
+    import fcntl
+
+    root, corpus, cache, ckpt = base
+    locked = tmp_path / "locked"
+    shutil.copytree(ckpt, locked)
+    before = tree_digest(locked)
+    with open(locked / ".lock", "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running first run holds it
+        _fails(run_cli(_args(corpus, locked), cache, timeout=300), "is in use by another run", 1)
+    assert tree_digest(locked) == before
+
+
+def test_orphan_step_dir_from_a_crash_is_replaced(base, tmp_path):
+    """A step dir renamed into place but never made `latest` (crash between the two) is not a
+    committed checkpoint: the resumed run rewrites it instead of refusing."""
+    root, corpus, cache, ckpt = base
+    run = tmp_path / "orphan"
+    shutil.copytree(ckpt, run)
+    shutil.copytree(run / "step_00000003", run / "step_00000004")  # latest still names step 3
+    (run / ".tmp-step_00000005-999999999").mkdir()  # a dead writer's temp dir
+    r = run_cli(_args(corpus, run, "--save-every", "1", "--keep-last", "0"), cache, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (run / "latest").read_text().strip() == "step_00000006"
+    assert not (run / ".tmp-step_00000005-999999999").exists()

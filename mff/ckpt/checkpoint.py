@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mff.tree import flatten_with_paths, unflatten_paths
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "step_dir_name", "list_steps", "latest_step_dir", "save", "load", "read_meta"]
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "step_dir_name", "list_steps", "latest_step_dir", "lock_dir", "save", "load", "read_meta"]
 
 FORMAT = "mff-checkpoint"
 VERSION = 1
@@ -39,6 +39,44 @@ _STEP_RE = re.compile(r"step_(\d{8,})\Z")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: unreadable, incomplete, or made for another model."""
+
+
+def lock_dir(ckpt_dir: str | os.PathLike):
+    """Create ``ckpt_dir`` if needed, check it is a writable folder, and take an exclusive lock
+    on ``ckpt_dir/.lock`` for this process (released when the returned file is closed or the
+    process ends). Call on one rank only.
+
+    Raises:
+        CheckpointError: an empty path, a path that is not a folder, a folder that cannot be
+            written, or a lock held by another run.
+    """
+    if not str(ckpt_dir):
+        raise CheckpointError("the checkpoint folder is empty ('')")
+    root = Path(ckpt_dir)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint folder {root} exists and is not a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = open(root / ".lock", "a+")
+    except OSError as e:
+        raise CheckpointError(f"checkpoint folder {root} cannot be written: {e.strerror or e}") from None
+    try:
+        probe = root / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        handle.close()
+        raise CheckpointError(f"checkpoint folder {root} cannot be written: {e.strerror or e}") from None
+    try:
+        import fcntl
+
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # not POSIX: no locking
+        pass
+    except OSError:
+        handle.close()
+        raise CheckpointError(f"checkpoint folder {root} is in use by another run (lock {root / '.lock'})") from None
+    return handle
 
 
 def step_dir_name(step: int) -> str:
@@ -69,7 +107,12 @@ def latest_step_dir(ckpt_dir: str | os.PathLike) -> Path | None:
     latest = root / "latest"
     if not latest.exists():
         return None
-    name = latest.read_text().strip()
+    if not latest.is_file():
+        raise CheckpointError(f"{latest} is not a file; it should hold the name of the newest step dir")
+    try:
+        name = latest.read_bytes().decode("utf-8").strip()
+    except (UnicodeDecodeError, OSError) as e:
+        raise CheckpointError(f"{latest} is unreadable ({e}); it should hold a step dir name like 'step_00000100'") from None
     if not _STEP_RE.match(name):
         raise CheckpointError(f"{latest} holds {name!r}, not a step dir name like 'step_00000100'")
     path = root / name
@@ -110,6 +153,31 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _latest_name(root: Path) -> str | None:
+    try:
+        return (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Delete ``.tmp-step_*-PID`` dirs left by writers that died (their PID is gone)."""
+    for p in root.glob(".tmp-step_*-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def save(
     ckpt_dir: str | os.PathLike,
     step: int,
@@ -133,8 +201,13 @@ def save(
     optim_t = {k: _full_cpu(v) for k, v in flatten_with_paths(dict(optim_state)) if isinstance(v, torch.Tensor)}
     if _is_rank0():
         root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(root)
         if final.exists():
-            raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+            if _latest_name(root) == final.name or not final.is_dir():
+                raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+            # renamed into place but never made `latest` (a crash between the two): not a
+            # committed checkpoint, so it is replaced
+            shutil.rmtree(final)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -160,11 +233,12 @@ def save(
     return final
 
 
-def read_meta(step_dir: str | os.PathLike) -> dict:
+def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> dict:
     """The ``meta.msgpack`` of a step dir.
 
     Raises:
-        CheckpointError: missing, unreadable, or not an mff checkpoint of a known version.
+        CheckpointError: missing, unreadable, not an mff checkpoint of a known version, or
+            lacking one of the ``required`` keys.
     """
     path = Path(step_dir) / "meta.msgpack"
     try:
@@ -177,6 +251,9 @@ def read_meta(step_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{path} is not an mff checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{path} has checkpoint version {meta.get('version')}; this mff reads version {VERSION}")
+    missing = [k for k in ("step", *required) if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path} lacks {missing}; it is incomplete or was written by another tool")
     return meta
 
 

@@ -59,7 +59,11 @@ def _source(path: str, rel: str, kind: str) -> SourceFile:
 def _walk(root: str, suffixes: dict[str, str], exclude: frozenset[str]) -> list[SourceFile]:
     """Files under `root` whose suffix is a key of `suffixes`, sorted by relative path."""
     found: list[SourceFile] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unreadable(err: OSError) -> None:
+        raise OSError(err.errno, f"data: cannot read corpus folder {err.filename!r}: {err.strerror}") from None
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = [d for d in dirnames if d not in exclude]
         for name in filenames:
             kind = suffixes.get(os.path.splitext(name)[1].lower())

@@ -112,6 +112,9 @@ def _build(cfg: DataConfig, files, roots, final: str, quiet: bool) -> None:
     where = "the Python standard library" if not cfg.path else ", ".join(cfg.path)
     _say(quiet, f"read {len(docs)} documents from {len(files)} files in {where}"
          + (f" ({skipped} non-UTF-8 files skipped)" if skipped else ""))
+    if not docs:
+        raise ValueError(f"data: empty corpus: no non-empty documents in {len(files)} files of {where}"
+                         + (f" ({skipped} of them not UTF-8, skipped)" if skipped else ""))
     train_docs, val_docs = split_documents(docs, cfg.val_permille)
     train_texts = [d.text for d in train_docs]
     val_texts = [d.text for d in val_docs]

@@ -12,7 +12,6 @@ Shape legend: B batch, T sequence, D hidden_size, V vocab_size, E routed experts
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -116,18 +115,26 @@ class DeepseekV3Config:
     moe_router_bias_update_rate: float = 0.001
     """Expert-bias update speed gamma of aux-loss-free balancing (paper: 0.001); 0 = frozen bias."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        """Check the config; raise ValueError naming the first bad field and what it must be."""
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
-                raise ValueError(f"DeepseekV3Config: {msg}")
+                raise ValueError(f"model config: {msg}")
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
             need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be > 0")
-        need(self.qk_nope_head_dim >= 0, f"qk_nope_head_dim={self.qk_nope_head_dim} must be >= 0")
+        for name in ("qk_nope_head_dim", "n_shared_experts", "n_routed_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
+            need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("initializer_range", "aux_loss_alpha", "mtp_loss_scaling_factor", "moe_router_bias_update_rate"):
+            v = getattr(self, name)
+            need(math.isfinite(v) and v >= 0, f"{name}={v} must be a finite number >= 0")
+        need(math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0, f"rms_norm_eps={self.rms_norm_eps} must be > 0")
+        need(math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0,
+             f"routed_scaling_factor={self.routed_scaling_factor} must be a finite number > 0")
         need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank={self.q_lora_rank} must be > 0 or None")
-        need(self.num_nextn_predict_layers >= 0, f"num_nextn_predict_layers={self.num_nextn_predict_layers} must be >= 0")
         need(self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
         if self.n_routed_experts:
             need(1 <= self.num_experts_per_tok <= self.n_routed_experts,
@@ -138,6 +145,10 @@ class DeepseekV3Config:
             need(self.num_experts_per_tok <= self.topk_group * (self.n_routed_experts // self.n_group),
                  f"num_experts_per_tok={self.num_experts_per_tok} exceeds the experts of topk_group={self.topk_group} groups")
             need(self.moe_intermediate_size > 0, f"moe_intermediate_size={self.moe_intermediate_size} must be > 0")
+        try:
+            self.rope_parameters.validate()
+        except ValueError as e:
+            raise ValueError(f"model config: {e}") from None
 
     @property
     def qk_head_dim(self) -> int:
@@ -385,6 +396,3 @@ FAMILY = Family(
 )
 
 
-def replace(cfg: DeepseekV3Config, **changes) -> DeepseekV3Config:
-    """``dataclasses.replace`` re-running the config checks."""
-    return dataclasses.replace(cfg, **changes)

@@ -48,6 +48,18 @@ class RopeParameters:
     truncate: bool = True
     """YaRN: round the correction range to whole dims (HF default)."""
 
+    def validate(self) -> None:
+        """Raise ValueError naming a bad field (theta, factor, betas, original length)."""
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 1):
+            raise ValueError(f"rope_parameters.rope_theta={self.rope_theta} must be a finite number > 1")
+        if self.rope_type == "yarn":
+            if not (math.isfinite(self.factor) and self.factor >= 1):
+                raise ValueError(f"rope_parameters.factor={self.factor} must be >= 1 for YaRN")
+            if not (self.beta_fast > 0 and self.beta_slow > 0):
+                raise ValueError(f"rope_parameters.beta_fast={self.beta_fast}, beta_slow={self.beta_slow} must be > 0")
+            if self.original_max_position_embeddings < 1:
+                raise ValueError(f"rope_parameters.original_max_position_embeddings={self.original_max_position_embeddings} must be >= 1")
+
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's ``0.1 * mscale * ln(scale) + 1`` for scale > 1, else 1.0."""

@@ -46,7 +46,8 @@ class AdamWConfig:
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of lr."""
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and what it must be."""
         checks = [
             (math.isfinite(self.lr) and self.lr >= 0, f"--optim.lr {self.lr} must be a finite number >= 0"),
             (0 <= self.beta1 < 1, f"--optim.beta1 {self.beta1} must be in [0, 1)"),

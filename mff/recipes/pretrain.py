@@ -8,13 +8,12 @@ overrides any of its fields; every other option is a flag (``--help`` lists them
 
 from __future__ import annotations
 
-import os
+import math
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Generic, Literal, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -41,8 +40,8 @@ from mff.recipes.common import (
     restore_rng,
     rng_state,
 )
-from mff.train.metrics import device_peak_flops, memory_estimate_gib, mfu
-from mff.train.step import NonFiniteError, eval_loss, train_step
+from mff.train.metrics import available_memory_gib, device_peak_flops, memory_estimate_gib, mfu
+from mff.train.step import NonFiniteError, check_finite, eval_loss, train_step
 
 C = TypeVar("C")
 
@@ -53,8 +52,8 @@ class PretrainConfig(Generic[C]):
 
     model: C
     """Model config (HF field names), e.g. --model.num-hidden-layers 4."""
-    device: Literal["auto", "cpu", "cuda", "npu"] | None = None
-    """Device type; default: $MF_DEVICE_TYPE, else auto (npu, then cuda, then cpu)."""
+    device: str | None = None
+    """Device type: auto, cpu, cuda or npu; default: $MF_DEVICE_TYPE, else auto (npu, then cuda, then cpu)."""
     steps: int = 300
     """Optimizer steps of the whole run (the lr schedule spans them)."""
     stop_after: int | None = None
@@ -99,7 +98,9 @@ def _check(cfg: PretrainConfig, model, dp_size: int) -> None:
         raise ValueError(f"--stop-after {cfg.stop_after} must be in [1, --steps {cfg.steps}]")
     if cfg.grad_accum < 1:
         raise ValueError(f"--grad-accum {cfg.grad_accum} must be >= 1")
-    if cfg.batch_size < 1 or cfg.batch_size % (dp_size * cfg.grad_accum):
+    if cfg.batch_size < 1:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be >= 1")
+    if cfg.batch_size % (dp_size * cfg.grad_accum):
         raise ValueError(
             f"--batch-size {cfg.batch_size} must be divisible by data-parallel ranks {dp_size} x --grad-accum {cfg.grad_accum} = {dp_size * cfg.grad_accum}"
         )
@@ -108,14 +109,9 @@ def _check(cfg: PretrainConfig, model, dp_size: int) -> None:
             raise ValueError(f"{flag} {value} must be >= 0")
     if cfg.threads is not None and cfg.threads < 1:
         raise ValueError(f"--threads {cfg.threads} must be >= 1")
-    ckpt_dir = Path(cfg.ckpt_dir)
-    if ckpt_dir.exists() and not ckpt_dir.is_dir():
-        raise ValueError(f"--ckpt-dir {cfg.ckpt_dir} exists and is not a folder")
-    probe = ckpt_dir if ckpt_dir.exists() else next((p for p in ckpt_dir.absolute().parents if p.exists()), Path("/"))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--ckpt-dir {cfg.ckpt_dir}: {probe} is not writable")
     if cfg.eval_iters < 0:
         raise ValueError(f"--eval-iters {cfg.eval_iters} must be >= 0 (0 = the whole validation split)")
+    cfg.optim.validate()
     if cfg.optim.warmup_steps > cfg.steps:
         raise ValueError(f"--optim.warmup-steps {cfg.optim.warmup_steps} exceeds --steps {cfg.steps}")
 
@@ -132,6 +128,41 @@ def _rank_slices(batches: list[dict], rank: int, size: int) -> list[dict]:
     return out
 
 
+def _memory_check(cfg: PretrainConfig, model, device: torch.device, shard: int, dp_size: int) -> dict[str, float]:
+    """Estimated memory per device; an error when it exceeds what the device has free."""
+    shapes = model.param_shapes()
+    numel = sum(math.prod(s) for s in shapes.values()) // shard
+    trainable = sum(math.prod(s) for p, s in shapes.items() if model.is_trainable(p)) // shard
+    mc = model.config
+    mem = memory_estimate_gib(numel, 4, trainable, cfg.batch_size // dp_size // cfg.grad_accum * cfg.seq_len,
+                              mc.hidden_size, mc.num_hidden_layers + getattr(mc, "num_nextn_predict_layers", 0),
+                              mc.num_attention_heads, cfg.seq_len, 4)
+    free = available_memory_gib(device)
+    if free is not None and mem["total"] > free:
+        raise ValueError(f"this run needs about {mem['total']:.1f} GiB per device (params {mem['params']:.1f}, optimizer "
+                         f"{mem['optimizer']:.1f}, activations {mem['activations']:.1f}) but {device} has {free:.1f} GiB free; "
+                         "use a smaller --size, --batch-size or --seq-len, or more devices")
+    return mem
+
+
+def _resume(cfg: PretrainConfig, family: str, model, params, opt_state, loader):
+    """Load the newest checkpoint of ``--ckpt-dir`` if there is one; returns (params, state, step, tokens)."""
+    last = ckpt.latest_step_dir(cfg.ckpt_dir)
+    if last is None:
+        return params, opt_state, 0, 0
+    meta = ckpt.read_meta(last, required=("tokens_seen", "data", "rng", "family", "config", "run"))
+    check_resume_config(meta, family, model.config)
+    saved_len = meta["run"].get("seq_len")
+    if saved_len != cfg.seq_len:
+        raise ckpt.CheckpointError(f"{last} was trained with --seq-len {saved_len}; this run has --seq-len {cfg.seq_len} "
+                                   "(the sample stream would differ; use another --ckpt-dir)")
+    params, opt_state, meta = ckpt.load(last, params, opt_state)
+    loader.load_state_dict(meta["data"])
+    restore_rng(meta["rng"])
+    print0(f"resumed from {last} (step {meta['step']}, {meta['tokens_seen']:,} tokens seen)")
+    return params, opt_state, meta["step"], meta["tokens_seen"]
+
+
 def run(cfg: PretrainConfig, family: str, size: str) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -143,6 +174,8 @@ def run(cfg: PretrainConfig, family: str, size: str) -> int:
     # model
     model = build(family, cfg.model)
     _check(cfg, model, dp_size)
+    _lock = ckpt.lock_dir(cfg.ckpt_dir) if dist_info.rank == 0 else None  # held until run() returns
+    mem = _memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size(), dp_size)
     # data
     data = build_pretrain_data(cfg.data, cfg.seq_len, quiet=dist_info.rank != 0)
     if data.vocab_size > model.config.vocab_size:
@@ -150,29 +183,15 @@ def run(cfg: PretrainConfig, family: str, size: str) -> int:
     loader = Loader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
     n_val = cfg.eval_iters or max(1, len(data.val) // cfg.batch_size)
     val_batches = _rank_slices(eval_batches(data.val, cfg.batch_size, n_val), dp_rank, dp_size) if cfg.eval_every else []
-    # params and optimizer
+    # params and optimizer, then resume
     params = model.init(cfg.seed, dist_info.device, torch.float32, mesh)
     opt_state = adamw.init(params)
-    start, tokens_seen = 0, 0
-    # resume
-    last = ckpt.latest_step_dir(cfg.ckpt_dir)
-    if last is not None:
-        check_resume_config(ckpt.read_meta(last), family, model.config)
-        params, opt_state, meta = ckpt.load(last, params, opt_state)
-        start, tokens_seen = meta["step"], meta["tokens_seen"]
-        loader.load_state_dict(meta["data"])
-        restore_rng(meta["rng"])
-        print0(f"resumed from {last} (step {start}, {tokens_seen:,} tokens seen)")
+    params, opt_state, start, tokens_seen = _resume(cfg, family, model, params, opt_state, loader)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
 
     counts = model.param_counts()
     peak, peak_src = device_peak_flops(dist_info.device)
     flops_per_token = model.train_flops_per_token(cfg.seq_len)
-    local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values())
-    local_trainable = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params.values() if p.requires_grad)
-    mc = model.config
-    mem = memory_estimate_gib(local_numel, 4, local_trainable, cfg.batch_size // dp_size // cfg.grad_accum * cfg.seq_len,
-                              mc.hidden_size, mc.num_hidden_layers, mc.num_attention_heads, cfg.seq_len, 4)
     placements = placements_of(params)
     print0(f"model {family}/{size}: {counts['total']:,} params ({counts['activated']:,} activated per token; "
            f"without MTP {counts['total_no_mtp']:,} / {counts['activated_no_mtp']:,})")
@@ -192,6 +211,7 @@ def run(cfg: PretrainConfig, family: str, size: str) -> int:
 
     def save(step: int) -> None:
         meta = {**meta_base, "tokens_seen": tokens_seen, "data": loader.state_dict(), "rng": rng_state()}
+        check_finite(params, opt_state)
         path = ckpt.save(cfg.ckpt_dir, step, params, opt_state, meta, cfg.keep_last)
         log.write(f"checkpoint {path}")
 
@@ -235,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         family, size, cfg = parse_model_args(PretrainConfig, argv, prog="python -m mff.recipes.pretrain", description=__doc__)
         return run(cfg, family, size)
-    except (ValueError, FileNotFoundError, DeviceUnavailable) as e:
+    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
         return fail(e, 2)
-    except (ckpt.CheckpointError, NonFiniteError) as e:
+    except (ckpt.CheckpointError, NonFiniteError, OSError) as e:
         return fail(e, 1)
 
 

@@ -26,8 +26,9 @@ from mff.nn.loss import count_targets, cross_entropy_sum
 from mff.optim import adamw
 from mff.optim.adamw import AdamWConfig
 from mff.optim.clip import clip_grads_
+from mff.tree import flatten_with_paths
 
-__all__ = ["NonFiniteError", "StepStats", "global_counts", "train_step", "update_expert_bias", "eval_loss"]
+__all__ = ["NonFiniteError", "StepStats", "check_finite", "global_counts", "train_step", "update_expert_bias", "eval_loss"]
 
 
 class NonFiniteError(FloatingPointError):
@@ -44,6 +45,18 @@ class StepStats:
     grad_norm: float
     tokens: int
     expert_load: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def check_finite(*trees: Mapping) -> None:
+    """Raise NonFiniteError naming the first param or state tensor holding NaN or inf (checked
+    before a checkpoint is written, so a saved checkpoint never holds them)."""
+    for tree in trees:
+        for path, t in flatten_with_paths(dict(tree)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                local = t.to_local() if isinstance(t, DTensor) else t
+                if not bool(torch.isfinite(local).all()):
+                    raise NonFiniteError(f"{path} holds NaN or inf; not saving a checkpoint")
 
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
