@@ -153,6 +153,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _latest_name(root: Path) -> str | None:
     try:
         return (root / "latest").read_text().strip()
@@ -216,7 +222,9 @@ def save(
         save_file(optim_t, str(tmp / "optim.safetensors"), metadata={"format": "pt"})
         full_meta = {"format": FORMAT, "version": VERSION, **dict(meta), "step": step}
         _write_atomic(tmp / "meta.msgpack", msgpack.packb(full_meta, use_bin_type=True))
+        mode = 0o666 & ~_umask()
         for f in tmp.iterdir():
+            os.chmod(f, mode)  # safetensors creates its files 0600; make all files alike
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         _fsync_dir(tmp)

@@ -38,7 +38,8 @@ class PackedTokens:
         if len(tokens) < seq_len + 1:
             raise ValueError(
                 f"data: the {name} split has {len(tokens)} tokens, fewer than one window of "
-                f"seq_len + 1 = {seq_len + 1}; use a shorter seq_len or a bigger corpus"
+                f"seq_len + 1 = {seq_len + 1}; use a shorter --seq-len, a bigger corpus"
+                + (" or a larger --data.val-permille" if name == "val" else "")
             )
         self.tokens = tokens
         self.seq_len = int(seq_len)

@@ -111,7 +111,7 @@ def _build(cfg: DataConfig, files, roots, final: str, quiet: bool) -> None:
     docs, skipped = read_documents(files, cfg.text_field)
     where = "the Python standard library" if not cfg.path else ", ".join(cfg.path)
     _say(quiet, f"read {len(docs)} documents from {len(files)} files in {where}"
-         + (f" ({skipped} non-UTF-8 files skipped)" if skipped else ""))
+         + f" ({skipped} non-UTF-8 files skipped, empty documents dropped)")
     if not docs:
         raise ValueError(f"data: empty corpus: no non-empty documents in {len(files)} files of {where}"
                          + (f" ({skipped} of them not UTF-8, skipped)" if skipped else ""))
@@ -127,7 +127,9 @@ def _build(cfg: DataConfig, files, roots, final: str, quiet: bool) -> None:
         _say(quiet, f"training BPE tokenizer (vocab {cfg.vocab_size}) on {_mb(bytes_train)} ...")
         t1 = time.perf_counter()
         tok = train_bpe(train_texts, cfg.vocab_size, eod_token)
-        _say(quiet, f"trained BPE tokenizer in {time.perf_counter() - t1:.1f} s")
+        got = tok.get_vocab_size()
+        _say(quiet, f"trained BPE tokenizer in {time.perf_counter() - t1:.1f} s"
+             + (f"; the corpus gave only {got} of the {cfg.vocab_size} tokens asked for" if got < cfg.vocab_size else ""))
         eod_id = find_eod_id(tok, eod_token)
     else:
         tok = load_tokenizer(os.path.abspath(os.path.expanduser(cfg.tokenizer)))

@@ -63,7 +63,7 @@ def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, descripti
         f"(for {family.name}: {', '.join(family.sizes)}; default {family.default_size}) choose the model; "
         "--model.<field> then overrides single fields."
     )
-    cfg = tyro.cli(config_cls[family.config_cls], default=config_cls(model=model_cfg), args=rest, prog=prog, description=doc)
+    cfg = tyro.cli(config_cls[family.config_cls], default=config_cls(model=model_cfg, size=size), args=rest, prog=prog, description=doc)
     return family.name, size, cfg
 
 
@@ -136,7 +136,7 @@ class RunLog:
         if rec.get("mtp_loss"):
             parts.append(f"mtp {rec['mtp_loss']:.4f}")
         if rec.get("balance_loss"):
-            parts.append(f"bal {rec['balance_loss']:.2e}")
+            parts.append(f"balance {rec['balance_loss']:.2e}")
         parts += [f"lr {rec['lr']:.2e}", f"grad {rec['grad_norm']:.3f}", f"{rec['tokens_per_s']:,.0f} tok/s", f"MFU {100 * rec['mfu']:.2f}%"]
         self.write(" | ".join(parts))
         if "val_loss" in rec:

@@ -51,7 +51,9 @@ class PretrainConfig(Generic[C]):
     """Pretraining run. ``--model FAMILY`` and ``--size NAME`` choose ``model``'s defaults."""
 
     model: C
-    """Model config (HF field names), e.g. --model.num-hidden-layers 4."""
+    """Model config (HF field names), e.g. --model.num-hidden-layers 4. The family is chosen by --model FAMILY (deepseek3, telechat3)."""
+    size: str = "tiny"
+    """Named size of the --model family whose config --model.* starts from (listed above)."""
     device: str | None = None
     """Device type: auto, cpu, cuda or npu; default: $MF_DEVICE_TYPE, else auto (npu, then cuda, then cpu)."""
     steps: int = 300

@@ -27,7 +27,7 @@ PEAK_FLOPS = {
 }
 
 
-def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 1.0) -> float:
     """FLOP/s of an ``n x n @ n x n`` matmul on ``device``, best of repeated timings over about
     ``seconds`` (2 n^3 FLOPs per product)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
