@@ -80,3 +80,11 @@ def test_forward_rejects_bad_batches():
         model.forward(params, {"input_ids": torch.zeros(1, 2, dtype=torch.int32)})
     with pytest.raises(RuntimeError):
         model.forward({}, {"input_ids": torch.zeros(1, 2, dtype=torch.long)})  # strict=True: missing params raise
+
+
+def test_check_finite_names_the_bad_tensor():
+    from mff.train.step import NonFiniteError, check_finite
+
+    check_finite({"a": torch.ones(2)}, {"step": torch.tensor(3)})
+    with pytest.raises(NonFiniteError, match="exp_avg/b holds NaN or inf"):
+        check_finite({"a": torch.ones(2)}, {"exp_avg": {"b": torch.tensor([float("inf")])}})

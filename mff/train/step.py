@@ -32,7 +32,8 @@ __all__ = ["NonFiniteError", "StepStats", "check_finite", "global_counts", "trai
 
 
 class NonFiniteError(FloatingPointError):
-    """The loss or the grad norm is NaN or inf; params and optimizer state were left unchanged."""
+    """A loss, grad norm or param is NaN or inf. Raised by :func:`train_step` before anything
+    is updated, and by :func:`check_finite` before a checkpoint is written."""
 
 
 @dataclass
@@ -51,12 +52,19 @@ class StepStats:
 def check_finite(*trees: Mapping) -> None:
     """Raise NonFiniteError naming the first param or state tensor holding NaN or inf (checked
     before a checkpoint is written, so a saved checkpoint never holds them)."""
+    bad = None
     for tree in trees:
         for path, t in flatten_with_paths(dict(tree)):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 local = t.to_local() if isinstance(t, DTensor) else t
                 if not bool(torch.isfinite(local).all()):
-                    raise NonFiniteError(f"{path} holds NaN or inf; not saving a checkpoint")
+                    bad = path
+                    break
+        if bad:
+            break
+    # every rank must agree, or the others would wait in the checkpoint's gathers
+    if _all_reduce_sum(torch.tensor(int(bad is not None))) > 0:
+        raise NonFiniteError(f"{bad or 'a shard on another rank'} holds NaN or inf; not saving a checkpoint")
 
 
 def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
