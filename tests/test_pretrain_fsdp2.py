@@ -34,7 +34,7 @@ def test_two_process_fsdp_matches_one_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}", "-m", "mff.recipes.pretrain",
            *args, "--ckpt-dir", str(tmp_path / "two"), "--metrics-file", str(tmp_path / "two.jsonl"), "--parallel.dp-shard", "2"]
     two = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     assert "dp_shard': 2" in two.stdout
     for a, b in zip(_losses(tmp_path / "one.jsonl"), _losses(tmp_path / "two.jsonl"), strict=True):
         assert a["step"] == b["step"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from mff import ckpt
 from mff.backend import DeviceUnavailable, init_distributed, resolve_device
@@ -261,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e, 2)
     except (ckpt.CheckpointError, NonFiniteError, OSError) as e:
         return fail(e, 1)
+    finally:
+        # tear the process group down before the interpreter exits: leaving gloo's threads to
+        # static destruction can abort a rank ("terminate called without an active exception")
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
