@@ -8,7 +8,6 @@ Tensor and expert parallelism (``tp``, ``ep``) and pipeline/context parallelism 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -45,8 +44,6 @@ def mesh_shape(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
         ValueError: a size < 1 (other than dp_shard=-1), an unsupported parallelism > 1, or a
             product that does not equal ``world_size`` (the message shows the product).
     """
-    if not (math.isfinite(cfg.timeout_s) and cfg.timeout_s > 0):
-        raise ValueError(f"--parallel.timeout-s {cfg.timeout_s} must be a number of seconds > 0")
     for name in ("tp", "ep", "pp", "cp"):
         size = getattr(cfg, name)
         if size != 1:
