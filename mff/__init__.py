@@ -7,10 +7,15 @@ Models are pure functions over param pytrees::
     params = model.init(seed=0)
     out = model.forward(params, {"input_ids": ids})   # ids: int64 [B, T]
     out.logits                                        # [B, T, vocab]
+
+    model, params = mff.load("path/to/hf-folder")     # or an mff checkpoint, or a .gguf file
+    mff.save_hf(model, params, "out/hf-folder")       # loads in transformers
 """
 
+from mff.ckpt.autoload import load
+from mff.ckpt.hf import save_hf
 from mff.model import Model, Output
 from mff.models import FAMILIES, build, get_family
 
 __version__ = "0.1.0"
-__all__ = ["FAMILIES", "Model", "Output", "build", "get_family", "__version__"]
+__all__ = ["FAMILIES", "Model", "Output", "build", "get_family", "load", "save_hf", "__version__"]

@@ -70,6 +70,8 @@ class Family:
     fp32_params: tuple[str, ...] = ()
     frozen_params: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
+    from_hf_config: Callable[[dict], Any] | None = None
+    to_hf_config: Callable[[Any], dict] | None = None
     description: str = ""
 
 

@@ -31,7 +31,8 @@ def _args(corpus, ckpt, *extra):
 
 
 CASES = [
-    (["--model", "gpt9"], "unknown model 'gpt9'; valid models: deepseek3, telechat3"),
+    (["--model", "gpt9"], "unknown model 'gpt9'; valid models: deepseek3, glm4, glm4_moe, llama, qwen3, qwen3_moe, telechat3"),
+    (["--init-from", "/nonexistent/ckpt"], "/nonexistent/ckpt does not exist"),
     (["--size", "huge"], "unknown size 'huge' for model deepseek3; valid sizes: tiny, v3-671b"),
     (["--seq-len", "100000"], "--seq-len 100000 must be in [1, 4096]"),
     (["--batch-size", "5", "--grad-accum", "2"], "--batch-size 5 must be divisible by data-parallel ranks 1 x --grad-accum 2 = 2"),

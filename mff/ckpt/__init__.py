@@ -1,5 +1,18 @@
-"""Checkpoint save/load/resume in mff's layout (and, later, HF and MindSpore import/export)."""
+"""Checkpoints: mff's own layout (save/load/resume), HF safetensors folders, FP8 and GGUF import."""
 
-from mff.ckpt.checkpoint import CheckpointError, latest_step_dir, list_steps, load, lock_dir, read_meta, save, step_dir_name
+from mff.ckpt.checkpoint import (
+    CheckpointError,
+    latest_step_dir,
+    list_steps,
+    load,
+    lock_dir,
+    place_like,
+    read_meta,
+    save,
+    save_weights,
+    step_dir_name,
+)
 
-__all__ = ["CheckpointError", "latest_step_dir", "list_steps", "load", "lock_dir", "read_meta", "save", "step_dir_name"]
+__all__ = [
+    "CheckpointError", "latest_step_dir", "list_steps", "load", "lock_dir", "place_like", "read_meta", "save", "save_weights", "step_dir_name",
+]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from mff.ckpt.safetensors_io import write_safetensors
 from mff.tree import flatten_with_paths, unflatten_paths
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "step_dir_name", "list_steps", "latest_step_dir", "lock_dir", "save", "load", "read_meta"]
@@ -241,6 +242,49 @@ def save(
     return final
 
 
+def save_weights(
+    ckpt_dir: str | os.PathLike,
+    params: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any],
+    step: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write a weights-only checkpoint (no optimizer state) as step ``step`` of ``ckpt_dir``
+    and make it ``latest``: what ``mff.recipes.convert --to mff`` writes and ``mff.load`` or
+    ``--init-from`` read. Single process. Tensors stream to disk one at a time (no second copy
+    of the model in memory); the step dir is written under a temp name and renamed.
+
+    Raises:
+        CheckpointError: the step dir already exists.
+    """
+    root = Path(ckpt_dir)
+    final = root / step_dir_name(step)
+    if final.exists():
+        raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        n = write_safetensors(tmp / "model.safetensors", {k: _full_cpu(v) for k, v in params.items()}, {"format": "pt"})
+        if progress is not None:
+            progress(n)
+        _write_atomic(tmp / "meta.msgpack", msgpack.packb({"format": FORMAT, "version": VERSION, **dict(meta), "step": step}, use_bin_type=True))
+        mode = 0o666 & ~_umask()
+        for f in tmp.iterdir():
+            os.chmod(f, mode)
+        _fsync_dir(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)
+    _write_atomic(root / "latest", (final.name + "\n").encode())
+    _fsync_dir(root)
+    return final
+
+
 def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> dict:
     """The ``meta.msgpack`` of a step dir.
 
@@ -274,7 +318,10 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {e}") from None
 
 
-def _place_like(name: str, loaded: torch.Tensor | None, like: torch.Tensor, where: Path) -> torch.Tensor:
+def place_like(name: str, loaded: torch.Tensor | None, like: torch.Tensor, where: str | Path) -> torch.Tensor:
+    """``loaded`` as a fresh tensor with the shape, dtype, device, DTensor placements and
+    requires_grad of ``like``. Raises CheckpointError naming ``name`` when it is missing or its
+    shape or dtype differs (both named)."""
     if loaded is None:
         raise CheckpointError(f"{where} has no tensor {name!r}")
     if tuple(loaded.shape) != tuple(like.shape):
@@ -313,7 +360,7 @@ def load(
     extra = sorted(set(loaded) - set(params_like))
     if extra:
         raise CheckpointError(f"{model_file} has tensors the model does not: {extra[:5]}")
-    params = {k: _place_like(k, loaded.get(k), v, model_file) for k, v in params_like.items()}
+    params = {k: place_like(k, loaded.get(k), v, model_file) for k, v in params_like.items()}
     state = None
     if optim_like is not None:
         optim_file = step_dir / "optim.safetensors"
@@ -322,5 +369,5 @@ def load(
         extra = sorted(set(loaded) - {k for k, _ in items})
         if extra:
             raise CheckpointError(f"{optim_file} has entries the optimizer does not: {extra[:5]}")
-        state = unflatten_paths((k, _place_like(k, loaded.get(k), v, optim_file)) for k, v in items)
+        state = unflatten_paths((k, place_like(k, loaded.get(k), v, optim_file)) for k, v in items)
     return params, state, meta

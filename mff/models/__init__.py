@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from mff.model import Family, Model
-from mff.models import deepseek3, telechat3
+from mff.models import deepseek3, glm4, glm4_moe, llama, qwen3, qwen3_moe, telechat3
 
 __all__ = ["FAMILIES", "get_family", "build", "family_for_model_type"]
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (deepseek3.FAMILY, telechat3.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (deepseek3.FAMILY, telechat3.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, glm4.FAMILY, glm4_moe.FAMILY, llama.FAMILY)
+}
 
 
 def get_family(name: str) -> Family:

@@ -12,6 +12,7 @@ Shape legend: B batch, T sequence, D hidden_size, V vocab_size, E routed experts
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,13 +22,14 @@ import torch
 from torch import nn
 
 from mff.model import Family, Output
+from mff.models.common import config_from_hf, config_to_hf
 from mff.nn.attention import document_causal_mask
 from mff.nn.layers import Embedding, RMSNorm
 from mff.nn.loss import count_targets as _count
 from mff.nn.loss import cross_entropy_sum
 from mff.nn.mla import MLA
 from mff.nn.mlp import GatedMLP
-from mff.nn.moe import MoE
+from mff.nn.moe import MoE, sequence_balance_loss
 from mff.nn.mtp import add_mtp_params, mtp_block_input, mtp_labels
 from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq, yarn_softmax_scale
 from mff.parallel.gather import gather
@@ -204,8 +206,9 @@ class DecoderLayer(nn.Module):
         h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask)
         x = self.post_attention_layernorm(h_BTD)
         if isinstance(self.mlp, MoE):
-            y, load, balance = self.mlp(x)
-            return h_BTD + y, load, balance
+            y, load, scores, idx = self.mlp(x)
+            B, T, _ = x.shape
+            return h_BTD + y, load, sequence_balance_loss(scores.view(B, T, -1), idx.view(B, T, -1))
         return h_BTD + self.mlp(x), None, None
 
 
@@ -378,6 +381,23 @@ def train_flops_per_token(cfg: DeepseekV3Config, shapes: Mapping[str, torch.Size
     return 6.0 * (dense + attn)
 
 
+def from_hf_config(d: dict) -> DeepseekV3Config:
+    """A DeepseekV3Config from an HF ``deepseek_v3`` config.json dict (MTP off when the config
+    does not name ``num_nextn_predict_layers``)."""
+    cfg = config_from_hf(DeepseekV3Config, d, aliases={"n_routed_experts": ("num_local_experts",)})
+    if "num_nextn_predict_layers" not in d:
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    return cfg
+
+
+def to_hf_config(cfg: DeepseekV3Config) -> dict:
+    """HF ``deepseek_v3`` config.json dict (keeps DeepSeek's num_nextn_predict_layers;
+    num_key_value_heads = num_attention_heads, which HF's MLA code assumes)."""
+    out = config_to_hf(cfg, "deepseek_v3", "DeepseekV3ForCausalLM", skip=("mtp_loss_scaling_factor", "moe_router_bias_update_rate"))
+    out["num_key_value_heads"] = cfg.num_attention_heads
+    return out
+
+
 FAMILY = Family(
     name="deepseek3",
     config_cls=DeepseekV3Config,
@@ -392,6 +412,8 @@ FAMILY = Family(
     fp32_params=("**.mlp.gate.weight", "**.e_score_correction_bias"),
     frozen_params=("**.e_score_correction_bias",),
     hf_model_types=("deepseek_v3",),
+    from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config,
     description="DeepSeek-V3: MLA, MoE with aux-loss-free routing, MTP",
 )
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from mff.nn.layers import Linear
 
-__all__ = ["GatedMLP"]
+__all__ = ["GatedMLP", "FusedGatedMLP"]
 
 
 class GatedMLP(nn.Module):
@@ -26,3 +26,17 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """SwiGLU with one fused ``gate_up_proj`` [2F, D] (gate rows first, then up rows; HF
+    ``Glm4MLP``) and ``down_proj`` [D, F]. ``forward(x [..., D]) -> [..., D]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

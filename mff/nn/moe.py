@@ -11,8 +11,11 @@
   with a grouped GEMM (``mff.backend.ops.grouped_mm``: ``torch._grouped_mm`` or a per-expert
   loop); no token is dropped.
 - Shared experts: one gated MLP of width ``moe_intermediate_size * n_shared_experts``.
+- Softmax routing (Qwen3-MoE, HF ``Qwen3MoeTopKRouter``): ``p = softmax(x W_g^T)`` in fp32,
+  top-k of p, optionally renormalised (``norm_topk_prob``); no bias, no groups.
 - Outputs for the step function: per-expert token counts (the load used by aux-loss-free
-  balancing) and the sequence-wise balance loss terms (eq. 17-20, before alpha).
+  balancing) and the router scores and choices, from which the family computes its balance
+  loss (DeepSeek-V3's sequence-wise loss, eq. 17-20, or Switch-style, :func:`switch_balance_loss`).
 
 Shape legend: B batch, T sequence, N = B*T tokens, D hidden, E experts, K top-k, I expert width.
 """
@@ -27,7 +30,7 @@ from mff.backend import ops
 from mff.nn.mlp import GatedMLP
 from mff.parallel.gather import gather
 
-__all__ = ["select_experts", "sequence_balance_loss", "Router", "Experts", "MoE"]
+__all__ = ["select_experts", "sequence_balance_loss", "switch_balance_loss", "Router", "SoftmaxRouter", "Experts", "MoE"]
 
 
 def select_experts(
@@ -86,6 +89,23 @@ def sequence_balance_loss(scores_BTE: torch.Tensor, idx_BTK: torch.Tensor) -> to
     return (f_BE * p_BE).sum(-1)
 
 
+def switch_balance_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """Switch-Transformer balance loss over all MoE layers at once, as HF's
+    ``load_balancing_loss_func`` (Fedus et al. 2021, eq. 4-6) computes it without an attention mask.
+
+    ``probs``: per layer, router softmax probabilities [N, E] (fp32); ``indices``: per layer the
+    chosen experts [N, K]. With ``f_e`` the share of token slots routed to e over all layers and
+    tokens (summing to K) and ``P_e`` the mean probability of e, returns ``E * sum_e f_e P_e``
+    (fp32, 0-d; K for perfectly uniform routing).
+    """
+    p = torch.cat(probs, dim=0).float()
+    idx = torch.cat(indices, dim=0)
+    rows = p.shape[0]
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=p.device)
+    counts.scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.float32, device=p.device))
+    return num_experts * ((counts / rows) * (p.sum(0) / rows)).sum()
+
+
 class Router(nn.Module):
     """``weight`` [E, D] and ``e_score_correction_bias`` [E], both fp32.
 
@@ -106,6 +126,25 @@ class Router(nn.Module):
         bias = gather(self.e_score_correction_bias).detach().float()
         w, idx = select_experts(scores, bias, self.top_k, self.n_group, self.topk_group, self.norm_topk_prob, self.routed_scaling_factor)
         return scores, w, idx
+
+
+class SoftmaxRouter(nn.Module):
+    """Softmax top-k router (Qwen3-MoE); ``weight`` [E, D] kept fp32.
+
+    ``forward(x [N, D]) -> probs [N, E] (fp32 softmax), weights [N, K] (fp32), indices [N, K]``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(F.linear(x_ND.float(), gather(self.weight).float()), dim=-1)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return probs, w, idx
 
 
 class Experts(nn.Module):
@@ -141,20 +180,27 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + routed experts + shared experts.
+    """Router (``gate``) + routed experts + optional shared experts.
 
-    ``forward(x [B, T, D]) -> (y [B, T, D], load [E] int64, balance [B] fp32)``.
+    ``scoring_func``: ``"sigmoid"`` (DeepSeek-V3 / GLM-4.5: :class:`Router` with the expert
+    bias, groups and scaling) or ``"softmax"`` (Qwen3-MoE: :class:`SoftmaxRouter`).
+    ``forward(x [B, T, D]) -> (y [B, T, D], load [E] int64, scores [N, E] fp32, indices [N, K])``.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int,
-                 n_shared_experts: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                 routed_scaling_factor: float):
+                 n_shared_experts: int = 0, n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                 routed_scaling_factor: float = 1.0, scoring_func: str = "sigmoid"):
         super().__init__()
-        self.gate = Router(hidden_size, num_experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+        if scoring_func == "sigmoid":
+            self.gate = Router(hidden_size, num_experts, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor)
+        elif scoring_func == "softmax":
+            self.gate = SoftmaxRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        else:
+            raise ValueError(f"scoring_func {scoring_func!r}; expected 'sigmoid' or 'softmax'")
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_experts = GatedMLP(hidden_size, intermediate_size * n_shared_experts) if n_shared_experts else None
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         scores, w, idx = self.gate(x_ND)
@@ -162,5 +208,4 @@ class MoE(nn.Module):
         y = y.view(B, T, D)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_BTD)
-        balance = sequence_balance_loss(scores.view(B, T, -1), idx.view(B, T, -1))
-        return y, load, balance
+        return y, load, scores, idx

@@ -43,20 +43,33 @@ def fail(err: BaseException, code: int) -> int:
     return code
 
 
-def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, description: str | None = None) -> tuple[str, str, Any]:
+def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, description: str | None = None,
+                     base: tuple[str, Any] | None = None) -> tuple[str, str, Any]:
     """Parse ``--model FAMILY`` and ``--size NAME`` first, then every other flag with tyro
     against ``config_cls[FamilyConfig]`` whose ``model`` default is that size's config.
 
+    ``base``: ``(family name, config)`` of weights the run starts from (``--init-from``); the
+    model config then starts from that config instead of a named size, ``--model`` must name
+    the same family (or be left out) and ``--size`` must be left out.
+
     Returns ``(family name, size name, parsed config)``. Raises ValueError for an unknown model
-    or size (listing the valid ones); tyro exits with a usage message for bad flags.
+    or size (listing the valid ones) or a conflict with ``base``; tyro exits with a usage
+    message for bad flags.
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--model", default="deepseek3")
+    pre.add_argument("--model", default=None)
     pre.add_argument("--size", default=None)
     known, rest = pre.parse_known_args(list(argv))
-    family = get_family(known.model)
-    size = known.size or family.default_size
-    model_cfg = size_config(family, size)
+    if base is not None:
+        if known.model is not None and known.model != base[0]:
+            raise ValueError(f"--init-from holds a {base[0]} model but --model is {known.model}; drop --model or pass --model {base[0]}")
+        if known.size is not None:
+            raise ValueError("--size conflicts with --init-from: the model config comes from the checkpoint (override fields with --model.*)")
+        family, size, model_cfg = get_family(base[0]), "init-from", base[1]
+    else:
+        family = get_family(known.model or "deepseek3")
+        size = known.size or family.default_size
+        model_cfg = size_config(family, size)
     doc = (description or "").strip()
     doc += (
         f"\n\n--model {{{','.join(sorted(FAMILIES))}}} (default deepseek3) and --size NAME "

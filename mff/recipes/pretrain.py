@@ -8,6 +8,7 @@ overrides any of its fields; every other option is a flag (``--help`` lists them
 
 from __future__ import annotations
 
+import argparse
 import math
 import signal
 import sys
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from mff import ckpt
 from mff.backend import DeviceUnavailable, init_distributed, resolve_device
+from mff.ckpt.autoload import load as load_checkpoint
 from mff.data import (
     DataConfig,
     Loader,
@@ -52,7 +54,7 @@ class PretrainConfig(Generic[C]):
     """Pretraining run. ``--model FAMILY`` and ``--size NAME`` choose ``model``'s defaults."""
 
     model: C
-    """Model config (HF field names), e.g. --model.num-hidden-layers 4. The family is chosen by --model FAMILY (deepseek3, telechat3)."""
+    """Model config (HF field names), e.g. --model.num-hidden-layers 4. The family is chosen by --model FAMILY (deepseek3, telechat3, qwen3, qwen3_moe, glm4, glm4_moe, llama)."""
     size: str = "tiny"
     """Named size of the --model family whose config --model.* starts from (listed above)."""
     device: str | None = None
@@ -69,6 +71,9 @@ class PretrainConfig(Generic[C]):
     """Micro-batches per optimizer step on each rank."""
     seed: int = 0
     """Seed of the param init and the data order."""
+    init_from: str | None = None
+    """Start from these weights (an HF model folder, an mff checkpoint or a .gguf file) with a fresh optimizer and step 0; the model
+    config is the checkpoint's (--model.* fields override it). Ignored when --ckpt-dir already holds a checkpoint (that resumes)."""
     ckpt_dir: str = "runs/pretrain"
     """Checkpoint folder; a run with a complete checkpoint there resumes from it."""
     save_every: int = 100
@@ -166,7 +171,23 @@ def _resume(cfg: PretrainConfig, family: str, model, params, opt_state, loader):
     return params, opt_state, meta["step"], meta["tokens_seen"]
 
 
-def run(cfg: PretrainConfig, family: str, size: str) -> int:
+def _init_from(path: str | None):
+    """``(family, config, params)`` of ``--init-from PATH`` when the flag is given (pre-parsed:
+    the checkpoint decides the model config before tyro parses the rest)."""
+    if path is None:
+        return None
+    model, params = load_checkpoint(path, dtype=torch.float32)
+    return model.family.name, model.config, params
+
+
+def _apply_init(params, loaded, where: str):
+    """Copy ``loaded`` (plain tensors) onto the placements of ``params``; shapes must match."""
+    for name, like in params.items():
+        params[name] = ckpt.place_like(name, loaded.get(name), like, where)
+    return params
+
+
+def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     # backend -> mesh
@@ -189,6 +210,13 @@ def run(cfg: PretrainConfig, family: str, size: str) -> int:
     # params and optimizer, then resume
     params = model.init(cfg.seed, dist_info.device, torch.float32, mesh)
     opt_state = adamw.init(params)
+    if init_params is not None and ckpt.latest_step_dir(cfg.ckpt_dir) is None:
+        params = _apply_init(params, init_params, cfg.init_from)
+        opt_state = adamw.init(params)
+        print0(f"initialised from {cfg.init_from} (fresh optimizer, step 0)")
+    elif init_params is not None:
+        print0(f"--init-from {cfg.init_from} ignored: resuming from {cfg.ckpt_dir}")
+    init_params = None
     params, opt_state, start, tokens_seen = _resume(cfg, family, model, params, opt_state, loader)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
 
@@ -229,7 +257,7 @@ def run(cfg: PretrainConfig, family: str, size: str) -> int:
             lr = warmup_cosine(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
             batch = {k: v.to(dist_info.device) for k, v in loader.next_batch().items()}
             stats = train_step(model, params, opt_state, split_microbatches(batch, cfg.grad_accum), lr, cfg.optim,
-                               model.config.moe_router_bias_update_rate)
+                               getattr(model.config, "moe_router_bias_update_rate", 0.0))
             tokens_seen += stats.tokens
             dt = time.perf_counter() - t0
             tps = stats.tokens / dt
@@ -256,8 +284,12 @@ def run(cfg: PretrainConfig, family: str, size: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        family, size, cfg = parse_model_args(PretrainConfig, argv, prog="python -m mff.recipes.pretrain", description=__doc__)
-        return run(cfg, family, size)
+        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        pre.add_argument("--init-from", default=None)
+        init = _init_from(pre.parse_known_args(list(argv))[0].init_from)
+        base = init[:2] if init else None
+        family, size, cfg = parse_model_args(PretrainConfig, argv, prog="python -m mff.recipes.pretrain", description=__doc__, base=base)
+        return run(cfg, family, size, init[2] if init else None)
     except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
         return fail(e, 2)
     except (ckpt.CheckpointError, NonFiniteError, OSError) as e:

@@ -1,0 +1,80 @@
+"""Chat templates: rendering a conversation to the prompt text a chat model was trained on.
+
+A chat template is a Jinja2 template shipped with a model (``chat_template`` in HF's
+``tokenizer_config.json``, ``tokenizer.chat_template`` in a GGUF file). It is rendered with
+``messages`` (a list of ``{"role": ..., "content": ...}`` dicts), ``add_generation_prompt`` and
+any extra variables (``bos_token``, ``eos_token``, ``tools``, ...).
+
+The rendering environment follows HF's chat templating docs
+(https://huggingface.co/docs/transformers/main/en/chat_templating and its "writing templates"
+page): a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``, the
+``loopcontrols`` extension, a ``tojson`` filter that does not HTML-escape, and the globals
+``raise_exception(message)`` and ``strftime_now(format)``. The ``{% generation %}`` block some
+templates use to mark assistant text renders its body unchanged here.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+__all__ = ["render_chat_template"]
+
+
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    """Render a chat template for `messages`, the way HF's ``apply_chat_template(tokenize=False)`` does.
+
+    Args:
+        template: the Jinja2 chat template source.
+        messages: the conversation, a list of dicts with at least ``role`` and ``content``.
+        add_generation_prompt: append the text that opens the assistant's turn (templates read
+            the ``add_generation_prompt`` variable).
+        **kwargs: further template variables, e.g. ``bos_token``, ``eos_token``, ``tools``.
+
+    Returns:
+        The rendered prompt text (not tokenized; special tokens appear as text).
+
+    Raises:
+        jinja2.TemplateSyntaxError: the template does not parse.
+        jinja2.TemplateError: the template called ``raise_exception(message)`` (the message is
+            the template's).
+        jinja2.exceptions.SecurityError: the template tried something the sandbox forbids.
+        TypeError: `messages` is not a list.
+    """
+    if not isinstance(messages, list):
+        raise TypeError(f"render_chat_template: messages must be a list of dicts, got {type(messages).__name__}")
+    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str):
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):
+        """``{% generation %}...{% endgeneration %}``: renders its body as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _Generation])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)

@@ -1,0 +1,75 @@
+"""Grouped-query attention (GQA, Ainslie et al. 2023, arXiv 2305.13245) with the switches the
+Llama, Qwen2/3 and GLM-4 families need: q/k/v (and o) biases, per-head q/k RMSNorm before RoPE
+(Qwen3, GLM-4.5 ``use_qk_norm``), partial rotary and the three RoPE pair layouts.
+
+Param names are HF transformers': ``q_proj`` [H*Dh, D], ``k_proj`` / ``v_proj`` [Hkv*Dh, D],
+``o_proj`` [D, H*Dh], optional ``q_norm`` / ``k_norm`` [Dh]. Query head h reads KV head
+``h // (H / Hkv)`` (HF ``repeat_kv``). Softmax scale ``Dh ** -0.5``.
+
+Shape legend: B batch, T sequence, D hidden, H query heads, Hkv KV heads, Dh head_dim,
+R rotary dims (<= Dh).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mff.nn.attention import causal_attention
+from mff.nn.layers import Linear, RMSNorm
+from mff.nn.rope import apply_rope
+
+__all__ = ["GQA", "repeat_kv"]
+
+
+def repeat_kv(x_BTKD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, T, Hkv, Dh] -> [B, T, Hkv * n_rep, Dh], KV head j serving query heads
+    ``j * n_rep .. (j + 1) * n_rep - 1`` (HF ``repeat_kv``)."""
+    if n_rep == 1:
+        return x_BTKD
+    B, T, K, Dh = x_BTKD.shape
+    return x_BTKD[:, :, :, None, :].expand(B, T, K, n_rep, Dh).reshape(B, T, K * n_rep, Dh)
+
+
+class GQA(nn.Module):
+    """``forward(x [B,T,D], cos, sin [B,T,R], mask [B,1,T,T] | None) -> [B,T,D]``.
+
+    Args:
+        qkv_bias: biases on q/k/v (Qwen2, GLM-4 ``attention_bias``).
+        o_bias: a bias on o_proj (Llama and Qwen3 ``attention_bias`` set both).
+        qk_norm: RMSNorm over each head's Dh dims of q and k, before RoPE.
+        rope_layout: ``"half"``, ``"interleave"`` or ``"pairs"`` (see :mod:`mff.nn.rope`).
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_key_value_heads``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_key_value_heads: int, head_dim: int, *,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False, rope_layout: str = "half",
+                 eps: float = 1e-6):
+        super().__init__()
+        if num_key_value_heads < 1 or num_heads % num_key_value_heads:
+            raise ValueError(f"num_attention_heads={num_heads} must be a multiple of num_key_value_heads={num_key_value_heads}")
+        self.num_heads, self.num_kv, self.head_dim = num_heads, num_key_value_heads, head_dim
+        self.rope_layout = rope_layout
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, num_key_value_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, num_key_value_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BTD).view(B, T, self.num_kv, self.head_dim)
+        v = self.v_proj(x_BTD).view(B, T, self.num_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin, layout=self.rope_layout)
+        k = apply_rope(k, cos, sin, layout=self.rope_layout)
+        n_rep = self.num_heads // self.num_kv
+        o = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), self.head_dim ** -0.5, mask)
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
