@@ -1,18 +1,121 @@
-"""Text generation over ``model.forward``.
+"""Text generation over ``model.forward`` with a KV cache.
 
-:func:`greedy_generate` is the plain reference loop: each step runs the whole sequence again
-(no KV cache), so it is exact and slow; a cached decoder is later work.
+:func:`generate` prefills the prompt (whole or in chunks) into a preallocated KV cache, then
+decodes one token at a time: each step feeds only the new token, reads the cache, and samples
+(:mod:`mff.sampling`). Rows of a batch may have different prompt lengths (left padding with
+``attention_mask``); each row yields the same tokens as when generated alone. A row stops at
+EOS or any stop id (keeping that token), then emits ``pad_token_id``.
+
+:func:`greedy_generate` is the plain reference loop without a cache (each step runs the whole
+sequence again): exact and slow, for tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from mff.model import Model
+from mff.sampling import SamplingConfig, mark_seen, sample, seen_mask_from_ids
 
-__all__ = ["greedy_generate"]
+__all__ = ["generate", "greedy_generate"]
+
+
+def _ids(x: int | Iterable[int] | None) -> list[int]:
+    if x is None:
+        return []
+    return [int(x)] if isinstance(x, int) else [int(i) for i in x]
+
+
+@torch.no_grad()
+def generate(
+    model: Model,
+    params: Mapping[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 32,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    sampling: SamplingConfig | None = None,
+    eos_token_id: int | Iterable[int] | None = None,
+    stop_token_ids: Iterable[int] = (),
+    pad_token_id: int = 0,
+    seed: int | None = None,
+    prefill_chunk: int = 0,
+    on_token: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Continue ``input_ids`` by up to ``max_new_tokens`` tokens per row.
+
+    Args:
+        input_ids: int64 [B, T], left-padded when rows differ in length.
+        attention_mask: [B, T], 0 at padding (default: no padding).
+        sampling: temperature / top-k / top-p / min-p / repetition penalty; default greedy.
+        eos_token_id, stop_token_ids: a row stops after emitting any of these ids.
+        pad_token_id: emitted by rows that have stopped.
+        seed: seeds the sampling generator (same seed, same tokens on the same device).
+        prefill_chunk: prefill the prompt this many tokens at a time (0 = all at once).
+        on_token: called with each step's ids int64 [B] (for streaming).
+    Returns:
+        int64 [B, T + n], n <= ``max_new_tokens`` (fewer when every row stopped early).
+    Raises:
+        ValueError: an empty prompt, ``max_new_tokens`` < 0, a prompt plus ``max_new_tokens``
+            longer than the model's context, a row of ``attention_mask`` with no token, bad
+            sampling parameters (named), ``prefill_chunk`` < 0.
+    """
+    sampling = sampling or SamplingConfig(temperature=0.0)
+    sampling.validate()
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"the prompt is empty or not [B, T] token ids: {shape}; give at least one token per row")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if prefill_chunk < 0:
+        raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 0 (0 = the whole prompt at once)")
+    B, T = input_ids.shape
+    limit = model.config.max_position_embeddings
+    if T + max_new_tokens > limit:
+        raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} exceeds the model's "
+                         f"context (max_position_embeddings {limit})")
+    device = input_ids.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    attention_mask = attention_mask.bool()
+    if not bool(attention_mask.any(-1).all()):
+        raise ValueError("a row of attention_mask has no token (an empty prompt)")
+    stops = sorted(set(_ids(eos_token_id) + _ids(stop_token_ids)))
+    stop_t = torch.tensor(stops, dtype=torch.int64, device=device)
+    dtype = params["model.embed_tokens.weight"].dtype
+    cache = model.init_cache(B, T + max_new_tokens, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    V = model.config.vocab_size
+    seen = seen_mask_from_ids(input_ids.masked_fill(~attention_mask, -1), V) if sampling.repetition_penalty != 1.0 else None
+
+    chunk = prefill_chunk or T
+    logits = None
+    for start in range(0, T, chunk):
+        batch = {"input_ids": input_ids[:, start:start + chunk], "attention_mask": attention_mask[:, start:start + chunk]}
+        out = model.forward(params, batch, cache, check=start == 0)
+        cache, logits = out.cache, out.logits[:, -1]
+    out_ids = [input_ids]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    one = torch.ones(B, 1, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        nxt = sample(logits.float(), sampling, gen, seen)
+        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+        out_ids.append(nxt[:, None])
+        if on_token is not None:
+            on_token(nxt)
+        if stops:
+            done = done | torch.isin(nxt, stop_t)
+            if bool(done.all()):
+                break
+        if step == max_new_tokens - 1:
+            break
+        if seen is not None:
+            seen = mark_seen(seen, nxt.clamp(0, V - 1))
+        out = model.forward(params, {"input_ids": nxt[:, None], "attention_mask": one}, cache, check=False)
+        cache, logits = out.cache, out.logits[:, -1]
+    return torch.cat(out_ids, dim=1)
 
 
 @torch.no_grad()
@@ -23,7 +126,7 @@ def greedy_generate(
     max_new_tokens: int,
     eos_token_id: int | Iterable[int] | None = None,
 ) -> torch.Tensor:
-    """Append up to ``max_new_tokens`` argmax tokens to ``input_ids`` (int64 [B, T]).
+    """Reference greedy loop without a cache: each step runs the full sequence.
 
     Stops early when every row has produced an EOS id (rows that stopped keep emitting that
     EOS id). Returns int64 [B, T + n] with n <= ``max_new_tokens``.
@@ -36,7 +139,7 @@ def greedy_generate(
     limit = model.config.max_position_embeddings
     if input_ids.shape[1] + max_new_tokens > limit:
         raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds max_position_embeddings {limit}")
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    eos = set(_ids(eos_token_id))
     ids = input_ids
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for _ in range(max_new_tokens):

@@ -10,7 +10,6 @@ the step function applies the expert-bias update.
 from __future__ import annotations
 
 import hashlib
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ from mff.tree import first_match, matches
 
 __all__ = ["Output", "Family", "Model", "BATCH_KEYS", "path_seed"]
 
-BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask")
 
 InitSpec = tuple  # ("normal", std) | ("ones",) | ("zeros",)
 
@@ -193,7 +192,8 @@ class Model:
             raise ValueError(f"batch['input_ids'] is empty: shape {tuple(ids.shape)}")
         for key in BATCH_KEYS[1:]:
             v = batch.get(key)
-            if v is not None and (not isinstance(v, torch.Tensor) or v.dtype not in (torch.int64, torch.int32) or v.shape != ids.shape):
+            ok_dtypes = (torch.int64, torch.int32, torch.bool) if key == "attention_mask" else (torch.int64, torch.int32)
+            if v is not None and (not isinstance(v, torch.Tensor) or v.dtype not in ok_dtypes or v.shape != ids.shape):
                 raise ValueError(f"batch[{key!r}] must be an integer tensor shaped like input_ids {tuple(ids.shape)}, got {desc(v)}")
         pos = batch.get("position_ids")
         lo_hi = [ids.min(), ids.max()] + ([pos.min(), pos.max()] if pos is not None else [])
@@ -220,6 +220,36 @@ class Model:
         ``target_counts`` that make losses normalise by the global count."""
         return self.family.count_targets(self.config, batch)
 
+    def init_cache(self, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> dict[str, Any]:
+        """An empty KV cache for generation, preallocated to ``max_len`` slots.
+
+        A pytree: ``{"offset": int (slots filled, shared by all rows), "valid": bool [B, S]
+        (slots holding real tokens; left padding is not), "next_pos": int64 [B] (each row's next
+        position id), "layers": [per-layer tensors]}``. GQA layers hold ``k``/``v`` [B, S, Hkv,
+        Dh]; MLA layers the latent ``c`` [B, S, kv_lora_rank] and ``k_rot`` [B, S,
+        qk_rope_head_dim] only. ``forward(params, batch, cache)`` writes the new slots in place
+        and returns the cache to pass to the next call in ``Output.cache``.
+
+        Raises:
+            ValueError: ``max_len`` outside [1, max_position_embeddings], ``batch_size`` < 1.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        limit = self.config.max_position_embeddings
+        if not 1 <= max_len <= limit:
+            raise ValueError(f"cache length {max_len} must be in [1, max_position_embeddings={limit}]")
+        layers = [{k: torch.zeros(shape, dtype=dtype, device=device) for k, shape in shapes.items()}
+                  for shapes in self.skeleton.cache_shapes(batch_size, max_len)]
+        return {"offset": 0, "valid": torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
+                "next_pos": torch.zeros(batch_size, dtype=torch.int64, device=device), "layers": layers}
+
+    def generate(self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Token ids [B, T + n] continuing ``input_ids``; see :func:`mff.generate.generate` for the options."""
+        from mff.generate import generate
+
+        return generate(self, params, input_ids, **kwargs)
+
     def forward(
         self,
         params: Mapping[str, torch.Tensor],
@@ -227,6 +257,7 @@ class Model:
         cache: Any = None,
         *,
         target_counts: Mapping[str, torch.Tensor] | None = None,
+        check: bool = True,
     ) -> Output:
         """Run the model on ``batch`` with ``params``.
 
@@ -234,11 +265,16 @@ class Model:
             params: every param path of the model (missing or extra paths raise).
             batch: ``input_ids`` int64 [B, T]; optional ``labels`` int64 [B, T] (aligned:
                 target of position t, -100 ignored), ``position_ids`` int64 [B, T],
-                ``document_ids`` int [B, T] (attention and MTP targets stay within a document).
-            cache: a KV cache pytree (generation); NotImplementedError for families without one.
+                ``document_ids`` int [B, T] (attention and MTP targets stay within a document),
+                ``attention_mask`` bool/int [B, T] (0 = padding: never attended to; positions
+                count real tokens only, so left-padded rows match unpadded ones).
+            cache: a KV cache from :meth:`init_cache` (generation); the new tokens are appended
+                after its filled slots and ``Output.cache`` is the cache to pass next.
             target_counts: denominators of the loss terms (from :meth:`count_targets`, summed
                 over a step's micro-batches and ranks); default: this batch's own counts, so
                 each term is a mean over this batch.
+            check: validate the inputs (one host sync for the id and position ranges); the
+                decode loop turns it off after checking the prompt.
         Returns:
             :class:`Output`.
         Raises:
@@ -246,14 +282,13 @@ class Model:
             ValueError: unknown batch keys; ``input_ids`` not int64 [B, T] or empty; other
                 batch tensors not integer [B, T]; token ids outside [0, vocab_size); positions
                 outside [0, max_position_embeddings); a param of the wrong shape (named);
-                ``target_counts`` lacking a term of this batch.
+                ``target_counts`` lacking a term of this batch; a full cache.
             RuntimeError: missing or unexpected param paths (``functional_call(strict=True)``).
         """
-        self._check_inputs(params, batch, target_counts)
+        if check:
+            self._check_inputs(params, batch, target_counts)
         kwargs = dict(batch)
         kwargs["target_counts"] = target_counts
         if cache is not None:
-            if "cache" not in inspect.signature(self.skeleton.forward).parameters:
-                raise NotImplementedError(f"{self.family.name} has no KV-cache forward yet; call forward without a cache")
             kwargs["cache"] = cache
         return torch.func.functional_call(self.skeleton, dict(params), args=(), kwargs=kwargs, strict=True)

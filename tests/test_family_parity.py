@@ -138,3 +138,17 @@ def test_round_trip(case, saved, tmp_path):
     ids = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         torch.testing.assert_close(hf2(input_ids=ids).logits, hf(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cached_generation_matches_full_forward_and_hf(case, saved):
+    """32 cached greedy tokens == argmax of full forward passes == HF generate; chunked prefill too."""
+    from mff.generate import generate
+
+    hf, path = saved(case)
+    model, params = mff.load(path)
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(4))
+    cached = generate(model, params, ids, 32)
+    assert torch.equal(cached, greedy_generate(model, params, ids, 32))
+    assert torch.equal(cached, hf.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None))
+    assert torch.equal(cached, generate(model, params, ids, 32, prefill_chunk=4))

@@ -228,7 +228,7 @@ def test_convert_cli_round_trip(ds_folder, tmp_path):
     a, b = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "h" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     r = _convert("--src", folder, "--dst", tmp_path / "h", "--to", "hf")
-    assert r.returncode == 2 and r.stderr.startswith("error:") and "not empty" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "is not an empty folder" in r.stderr
     r = _convert("--src", tmp_path / "nothing", "--dst", tmp_path / "x", "--to", "hf")
     assert r.returncode == 2 and "does not exist" in r.stderr
 
@@ -255,3 +255,145 @@ def test_pretrain_init_from(tmp_path):
     assert r.returncode == 1 and "mlp.gate_proj.weight' has shape (128, 64), the model expects (96, 64)" in r.stderr, r.stderr
     r = run_cli([*common, "--init-from", str(tmp_path / "a"), "--model", "qwen3", "--ckpt-dir", str(tmp_path / "e")], tmp_path / "c")
     assert r.returncode == 2 and "holds a llama model" in r.stderr
+    # an override that drops tensors (a layer) is refused too
+    r = run_cli([*common, "--init-from", str(tmp_path / "a"), "--model.num-hidden-layers", "1", "--steps", "2",
+                 "--ckpt-dir", str(tmp_path / "f")], tmp_path / "c")
+    assert r.returncode == 1 and "tensors this model does not" in r.stderr and "model.layers.1." in r.stderr, r.stderr
+    # the run uses the checkpoint's tokenizer, and rerunning the same command resumes it
+    assert (tmp_path / "b" / "tokenizer.json").read_text() == (tmp_path / "a" / "tokenizer.json").read_text()
+    r = run_cli([*common, "--init-from", str(tmp_path / "a"), "--steps", "4", "--ckpt-dir", str(tmp_path / "b")], tmp_path / "c")
+    assert r.returncode == 0 and "resumed from" in r.stdout + r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("to", ["mff", "hf"])
+def test_interrupted_conversion_leaves_nothing(ds_folder, tmp_path, monkeypatch, to):
+    """A conversion killed while writing leaves no --dst and no temp folder; a killed run's
+    temp folder (dead PID) is removed by the next conversion."""
+    import mff.ckpt.checkpoint as ck
+    import mff.ckpt.hf as hfmod
+    from mff.recipes import convert as conv
+
+    _, _, folder = ds_folder
+    real = ck.write_safetensors if to == "mff" else hfmod.write_sharded
+
+    def dying(*args, **kwargs):
+        real(*args, **kwargs)  # the data is on disk, under the temp name
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(ck if to == "mff" else hfmod, "write_safetensors" if to == "mff" else "write_sharded", dying)
+    dst = tmp_path / "out"
+    assert conv.main(["--src", str(folder), "--dst", str(dst), "--to", to]) == 130
+    assert not dst.exists() and not list(tmp_path.glob(".tmp-*"))
+    monkeypatch.undo()
+    stale = tmp_path / ".tmp-out-999999999"
+    stale.mkdir()
+    (stale / "junk").write_bytes(b"x" * 10)
+    assert conv.main(["--src", str(folder), "--dst", str(dst), "--to", to]) == 0
+    assert not stale.exists() and mff.load(dst)[0].family.name == "deepseek3"
+
+
+def _hf_folder(tmp_path, kind="qwen3_moe", **kw):
+    from tests.hf_util import init_o1
+
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **kw)
+        hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, **kw)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+    init_o1(hf, seed=2)
+    hf.save_pretrained(tmp_path / kind)
+    return hf, tmp_path / kind
+
+
+def _edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_hf_defaults_apply_to_missing_keys(tmp_path):
+    """transformers writes no head_dim for Qwen3-MoE unless given; missing keys mean HF's defaults."""
+    hf, folder = _hf_folder(tmp_path)
+    assert "head_dim" not in json.loads((folder / "config.json").read_text())
+    model, params = mff.load(folder)
+    assert model.config.head_dim == 8 and model.config.norm_topk_prob is False
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward(params, {"input_ids": ids}).logits, hf(input_ids=ids).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false' must be true or false"),
+    ("norm_topk_prob", 1, "norm_topk_prob=1 must be true or false"),
+    ("hidden_size", "32", "hidden_size='32' must be an integer"),
+    ("rms_norm_eps", None, None),
+    ("rms_norm_eps", "1e-6", "rms_norm_eps='1e-6' must be a number"),
+    ("num_key_value_heads", 3, "num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
+    ("rope_scaling", "linear", "rope_scaling='linear' must be an object"),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4}, "rope type 'yarn' needs ['factor']"),
+    ("rope_parameters", {"rope_type": "linear", "factor": 2.0}, "rope type 'linear' is not supported"),
+    ("eos_token_id", ["</s>"], "eos_token_id=['</s>']"),
+])
+def test_bad_config_values_are_named(tmp_path, key, value, needle):
+    _, folder = _hf_folder(tmp_path)
+    _edit_config(folder, **{key: value})
+    if needle is None:
+        mff.load(folder)  # a missing key takes the default
+        return
+    with pytest.raises(ValueError) as e:
+        mff.load(folder)
+    assert needle in str(e.value)
+
+
+def test_tied_config_with_a_different_head_loads_untied(tmp_path, capsys):
+    hf, folder = _hf_folder(tmp_path, kind="llama")
+    _edit_config(folder, tie_word_embeddings=True)
+    model, params = mff.load(folder)
+    assert not model.config.tie_word_embeddings and torch.equal(params["lm_head.weight"], hf.lm_head.weight)
+    assert "loading them untied" in capsys.readouterr().err
+
+
+def test_integer_tensor_is_refused(tmp_path):
+    _, folder = _hf_folder(tmp_path, kind="llama")
+    _rewrite(folder, change={"model.norm.weight": torch.ones(32, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has dtype torch\.int64; expected a floating-point tensor"):
+        mff.load(folder)
+
+
+def test_fp8_stacked_experts_become_bf16(tmp_path):
+    """dtype=None turns every dequantised FP8 weight into bf16, stacked experts included."""
+    model, params = _ds_model(mtp=0)
+    folder = mff.save_hf(model, params, tmp_path / "ds")
+    sd = load_file(str(folder / "model.safetensors"))
+    for k in [k for k in sd if ".experts." in k and k.endswith(".weight")]:
+        q, s = _fp8_quantize(sd[k], 8)
+        sd[k], sd[k + "_scale_inv"] = q, s
+    save_file(sd, str(folder / "model.safetensors"))
+    _edit_config(folder, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 8]})
+    _, p = mff.load(folder, dtype=None)
+    assert p["model.layers.1.mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+    assert p["model.layers.1.mlp.experts.down_proj"].dtype == torch.bfloat16
+
+
+def test_index_must_match_its_shards(tmp_path, ds_folder):
+    _, params, _ = ds_folder
+    out = tmp_path / "s"
+    out.mkdir()
+    files = write_sharded(out, [(k, v.shape, v.dtype) for k, v in params.items()], params.__getitem__, max_shard_size=200_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name, original = next(iter(index["weight_map"].items()))
+    index["weight_map"][name] = "/etc/passwd"
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="must be shard file names inside the folder"):
+        SafetensorsFolder(out)
+    index["weight_map"][name] = next(f for f in files if f != original)
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="the index maps it to"):
+        SafetensorsFolder(out)

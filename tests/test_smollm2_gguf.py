@@ -55,3 +55,13 @@ def test_smollm2_gguf_answers_paris(tmp_path):
     assert hf_ids.tolist() == ids.tolist()
     ref = hf.generate(hf_ids, max_new_tokens=16, do_sample=False, eos_token_id=g.config["eos_token_id"], pad_token_id=0)
     assert tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True) == answer
+
+
+@pytest.mark.slow
+def test_generate_cli_chat_answers_paris():
+    path = _gguf_path()
+    r = subprocess.run([sys.executable, "-m", "mff.recipes.generate", "--ckpt", str(path), "--prompt", "What is the capital of France?",
+                        "--chat", "--max-new-tokens", "24", "--threads", "2"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    print(f"\nCLI: {r.stdout!r}")
+    assert "Paris" in r.stdout

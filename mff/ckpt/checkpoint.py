@@ -267,9 +267,11 @@ def save_weights(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        n = write_safetensors(tmp / "model.safetensors", {k: _full_cpu(v) for k, v in params.items()}, {"format": "pt"})
+        tensors = {k: _full_cpu(v) for k, v in params.items()}
+        write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
         if progress is not None:
-            progress(n)
+            progress(sum(t.numel() * t.element_size() for t in tensors.values()))
+        del tensors
         _write_atomic(tmp / "meta.msgpack", msgpack.packb({"format": FORMAT, "version": VERSION, **dict(meta), "step": step}, use_bin_type=True))
         mode = 0o666 & ~_umask()
         for f in tmp.iterdir():
@@ -298,7 +300,7 @@ def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> di
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {step_dir} has no meta.msgpack (incomplete or not an mff checkpoint)") from None
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
+        raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an mff checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != VERSION:

@@ -64,9 +64,11 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
         raise FileNotFoundError(f"{folder} has no config.json; an HF model folder needs config.json and safetensors weights")
     try:
         d = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(d, dict) or not d.get("model_type"):
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(d).__name__}")
+    if not d.get("model_type"):
         raise ValueError(f"{path} has no model_type; cannot tell which architecture it is")
     return d
 
@@ -192,6 +194,17 @@ def load_hf_tensors(
             missing = sorted(wanted - have)
             raise HFCheckpointError(f"{where} holds only some MTP tensors; missing {len(missing)}, e.g. {missing[:5]}")
 
+    # tied config, but the folder holds a head that differs from the embedding: HF then keeps
+    # the two apart (and warns); so does mff
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in available and "model.embed_tokens.weight" in available:
+        head, emb = src.read("lm_head.weight"), src.read("model.embed_tokens.weight")
+        if head.shape != emb.shape or not torch.equal(head, emb):
+            config = dataclasses.replace(config, tie_word_embeddings=False)
+            model = Model(family, config)
+            notices.append(f"note: {where}: config ties the embeddings but lm_head.weight differs from model.embed_tokens.weight; "
+                           "loading them untied (as transformers does)")
+        del head, emb
+
     block = fp8.block_size_from_config(dict(hf_config))
     expert = hf_tensor_names(model)
     shapes = model.param_shapes()
@@ -204,9 +217,9 @@ def load_hf_tensors(
         else:
             dest[path] = (path, None, tuple(shape))
 
-    def param_dtype(path: str, stored: torch.dtype) -> torch.dtype:
+    def param_dtype(path: str, stored: torch.dtype, dequantised: bool) -> torch.dtype:
         if dtype is None:
-            return torch.bfloat16 if stored in (torch.float8_e4m3fn, torch.uint8) and path.endswith("weight") and block else stored
+            return torch.bfloat16 if dequantised else stored
         return torch.float32 if model.is_fp32(path) else dtype
 
     L = config.num_hidden_layers
@@ -239,28 +252,29 @@ def load_hf_tensors(
             raise HFCheckpointError(f"{where}: tensor {name!r} has shape {got}, the model expects {dest[name][2]}")
 
     params: dict[str, torch.Tensor] = {}
-    filled: set[str] = set()
     for _, handle in src.shards():
         for name in handle.keys():
             if name not in dest:
                 continue
             path, view, _ = dest[name]
             t = handle.get_tensor(name)
+            dequantised = False
             if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or (block and t.dtype == torch.uint8):
-                scale_name = name[: -len("weight")] + "weight_scale_inv"
-                if block is None or scale_name not in available:
-                    raise HFCheckpointError(f"{where}: {name!r} is stored as {t.dtype} but has no {scale_name!r} and "
-                                            "config.json has no fp8 quantization_config")
+                scale_name = name + "_scale_inv"
+                if not name.endswith(".weight") or block is None or scale_name not in available:
+                    why = ("the checkpoint has no fp8 quantization_config (config.json quantization_config.weight_block_size)"
+                           if block is None else f"there is no {scale_name!r}")
+                    raise HFCheckpointError(f"{where}: {name!r} is stored as {t.dtype}, which mff dequantises only as an "
+                                            f"X.weight with X.weight_scale_inv; {why}")
                 t = fp8.dequantize_block_fp8(t, src.read(scale_name), block, torch.float32, name=name)
-                stored = torch.float8_e4m3fn
-            else:
-                stored = t.dtype
+                dequantised = True
+            elif not t.is_floating_point():
+                raise HFCheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}; expected a floating-point tensor")
             if path not in params:
-                params[path] = torch.empty(shapes[path], dtype=param_dtype(path, stored), device=device)
+                params[path] = torch.empty(shapes[path], dtype=param_dtype(path, t.dtype, dequantised), device=device)
             target = params[path] if view is None else view(params[path])
             with torch.no_grad():
                 target.copy_(t)
-            filled.add(name)
             del t
     for line in notices:
         print(line, file=sys.stderr)

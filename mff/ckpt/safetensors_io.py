@@ -81,7 +81,9 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tenso
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``. ValueError otherwise."""
+    """Bytes from an int or a string like ``"5GB"``, ``"500MB"``, ``"2GiB"``, ``"1000"``. ValueError otherwise."""
+    if isinstance(size, str) and size.strip().isdigit():
+        size = int(size.strip())
     if isinstance(size, int):
         if size <= 0:
             raise ValueError(f"size {size} must be > 0")
@@ -112,7 +114,8 @@ def write_sharded(
     else ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
 
     ``get(name)`` produces each tensor when its shard is written (so callers can build tensors
-    lazily). ``progress(nbytes)`` is called after each shard. Returns the file names written.
+    lazily). ``progress(nbytes)`` is called after each shard with its tensor bytes. Returns the
+    file names written.
     """
     limit = parse_size(max_shard_size)
     shards: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
@@ -137,10 +140,10 @@ def write_sharded(
             tensors[name] = t
             weight_map[name] = fname
             total += _nbytes(shape, dtype)
-        nbytes = write_safetensors(folder / fname, tensors, metadata)
-        del tensors
+        write_safetensors(folder / fname, tensors, metadata)
         if progress is not None:
-            progress(nbytes)
+            progress(sum(_nbytes(t.shape, t.dtype) for t in tensors.values()))
+        del tensors
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         tmp = folder / "model.safetensors.index.json.tmp"
@@ -166,19 +169,23 @@ class SafetensorsFolder:
         self.folder = Path(folder)
         single = self.folder / f"{prefix}.safetensors"
         index = self.folder / f"{prefix}.safetensors.index.json"
-        if index.is_file():
+        weight_map = None
+        if single.is_file():  # as transformers: the single file wins over an index
+            self.files = [single.name]
+        elif index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise TypeError("weight_map is not an object")
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
                 raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+            bad = sorted({repr(f) for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")})
+            if bad:
+                raise ValueError(f"{index}: weight_map values must be shard file names inside the folder, got {bad[:5]}")
             self.files = sorted(set(weight_map.values()))
             missing = [f for f in self.files if not (self.folder / f).is_file()]
             if missing:
                 raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
-        elif single.is_file():
-            self.files = [single.name]
         else:
             present = sorted(p.name for p in self.folder.glob("*.safetensors"))
             raise FileNotFoundError(f"{self.folder} has no {single.name} and no {index.name}"
@@ -188,13 +195,23 @@ class SafetensorsFolder:
         for f in self.files:
             with self._open(f) as h:
                 for k in h.keys():
+                    if k in self.file_of:
+                        raise ValueError(f"tensor {k!r} is stored twice, in {self.file_of[k]} and {f}")
+                    if weight_map is not None and weight_map.get(k) != f:
+                        raise ValueError(f"{index}: tensor {k!r} is in {f} but the index maps it to {weight_map.get(k)!r}")
                     sl = h.get_slice(k)
                     self.file_of[k] = f
                     self.meta[k] = (sl.get_dtype(), tuple(sl.get_shape()))
+        if weight_map is not None:
+            absent = sorted(set(weight_map) - set(self.file_of))
+            if absent:
+                raise ValueError(f"{index} lists tensors that no shard holds: {absent[:5]}")
 
     @contextmanager
     def _open(self, fname: str) -> Iterator:
         path = self.folder / fname
+        if not os.access(path, os.R_OK):
+            raise PermissionError(f"{path} is not readable (permission denied)")
         try:
             handle = safe_open(str(path), framework="pt")
         except Exception as e:

@@ -107,35 +107,104 @@ def lm_balance_count_targets(cfg: Any, batch: Mapping[str, torch.Tensor]) -> dic
 # HF config.json <-> family config
 
 _ROPE_KEYS = {f.name for f in dataclasses.fields(RopeParameters)}
+# what each rope type needs in config.json (HF raises without them, so does mff)
+_ROPE_REQUIRED = {"yarn": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
-def _rope_from_hf(d: Mapping[str, Any]) -> RopeParameters:
+def _typed(where: str, key: str, value: Any, annotation: Any) -> Any:
+    """``value`` from JSON checked against a config field's annotation and converted (lists to
+    tuples, ints to floats for float fields). Raises ValueError naming the key, the value and
+    the expected type; bools are never accepted as numbers, nor strings as anything else."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or isinstance(annotation, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _typed(where, key, value, opt)
+            except ValueError:
+                continue
+        raise ValueError(f"{where}: {key}={value!r} must be {' or '.join(_type_name(o) for o in options)}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(annotation):
+            raise ValueError(f"{where}: {key}={value!r} is not supported (expected one of {list(typing.get_args(annotation))})")
+        return value
+    if origin is tuple:
+        item = typing.get_args(annotation)[0]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: {key}={value!r} must be a list of {_type_name(item)}")
+        return tuple(_typed(where, f"{key}[{i}]", v, item) for i, v in enumerate(value))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {key}={value!r} must be true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: {key}={value!r} must be an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {key}={value!r} must be a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: {key}={value!r} must be a string")
+        return value
+    if annotation is RopeParameters:
+        if isinstance(value, RopeParameters):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: {key}={value!r} must be an object of RoPE parameters")
+        return _rope_from_dict(where, dict(value))
+    return value
+
+
+def _type_name(t: Any) -> str:
+    if typing.get_origin(t) is tuple:
+        return f"a list of {_type_name(typing.get_args(t)[0])}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(t, str(t))
+
+
+def _rope_from_dict(where: str, src: dict) -> RopeParameters:
+    hints = typing.get_type_hints(RopeParameters)
+    kwargs = {k: _typed(where, f"rope_parameters.{k}", v, hints[k]) for k, v in src.items() if k in _ROPE_KEYS and v is not None}
+    kwargs.setdefault("rope_type", "default")
+    missing = [k for k in _ROPE_REQUIRED.get(kwargs["rope_type"], ()) if k not in kwargs]
+    if missing:
+        raise ValueError(f"{where}: rope type {kwargs['rope_type']!r} needs {missing} in rope_parameters / rope_scaling")
+    return RopeParameters(**kwargs)
+
+
+def _rope_from_hf(d: Mapping[str, Any], partial_rotary: bool) -> RopeParameters:
     """RoPE parameters from either generation of HF config: v5 ``rope_parameters`` (with
     ``rope_theta`` inside) or v4 ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type``),
-    ``partial_rotary_factor`` inside or at the top level."""
+    ``partial_rotary_factor`` inside or at the top level (read only by families that use it,
+    as HF does)."""
     src: dict[str, Any] = {}
-    rp = d.get("rope_parameters")
-    rs = d.get("rope_scaling")
-    for part in (rs, rp):
-        if isinstance(part, Mapping):
-            src.update(part)
+    for key in ("rope_parameters", "rope_scaling"):
+        part = d.get(key)
+        if part is not None and not isinstance(part, Mapping):
+            raise ValueError(f"config.json: {key}={part!r} must be an object (e.g. {{\"rope_type\": \"yarn\", \"factor\": 4.0}})")
+    rp, rs = d.get("rope_parameters"), d.get("rope_scaling")
+    if isinstance(rp, Mapping):
+        src.update(rp)
+    if isinstance(rs, Mapping) and rs.get("rope_type", rs.get("type", "default")) != "default":
+        src.update(rs)  # a legacy scaling block wins over a default rope_parameters (as HF v5 standardises it)
     if "rope_theta" not in src and d.get("rope_theta") is not None:
         src["rope_theta"] = d["rope_theta"]
     if "partial_rotary_factor" not in src and d.get("partial_rotary_factor") is not None:
         src["partial_rotary_factor"] = d["partial_rotary_factor"]
+    if not partial_rotary:
+        src.pop("partial_rotary_factor", None)
     if "type" in src and "rope_type" not in src:
         src["rope_type"] = src["type"]
-    kwargs = {k: v for k, v in src.items() if k in _ROPE_KEYS and v is not None}
-    kwargs.setdefault("rope_type", "default")
-    if kwargs["rope_type"] not in ("default", "yarn", "llama3"):
-        raise ValueError(f"config.json: rope type {kwargs['rope_type']!r} is not supported (supported: default, yarn, llama3)")
-    for k in ("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "low_freq_factor",
-              "high_freq_factor", "partial_rotary_factor"):
-        if k in kwargs:
-            kwargs[k] = float(kwargs[k])
-    if "original_max_position_embeddings" in kwargs:
-        kwargs["original_max_position_embeddings"] = int(kwargs["original_max_position_embeddings"])
-    return RopeParameters(**kwargs)
+    rope_type = src.get("rope_type", "default")
+    if rope_type not in ("default", "yarn", "llama3"):
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (supported: default, yarn, llama3)")
+    return _rope_from_dict("config.json", src)
 
 
 def rope_to_hf(rope: RopeParameters) -> dict[str, Any]:
@@ -154,28 +223,20 @@ def rope_to_hf(rope: RopeParameters) -> dict[str, Any]:
     return out
 
 
-def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    """A JSON value converted to the dataclass field's type (lists -> tuples; ints -> floats)."""
-    if isinstance(value, list):
-        return tuple(value)
-    ann = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
-    if float in ann and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
-
-
 def config_from_hf(config_cls: type, d: Mapping[str, Any], aliases: Mapping[str, tuple[str, ...]] = (),
-                   checks: Callable[[Mapping[str, Any]], None] | None = None) -> Any:
+                   checks: Callable[[Mapping[str, Any]], None] | None = None, partial_rotary: bool = False) -> Any:
     """The family config ``config_cls`` from an HF ``config.json`` dict.
 
     Each field takes the value of the key of its own name, else of one of its ``aliases`` (e.g.
-    ``num_experts`` / ``num_local_experts``); missing keys keep the class default, other keys
-    are ignored. ``rope_parameters`` accepts both HF generations (see :func:`_rope_from_hf`).
-    ``checks`` rejects configs asking for features mff does not implement.
+    ``num_experts`` / ``num_local_experts``); missing keys keep the class default (the HF
+    config class's default), other keys are ignored. Every value is type-checked against the
+    field (``"false"`` is not a bool, ``"64"`` not an int). ``rope_parameters`` accepts both HF
+    generations (see :func:`_rope_from_hf`); ``partial_rotary`` families also read
+    ``partial_rotary_factor``. ``checks`` rejects configs asking for features mff lacks.
 
     Raises:
-        ValueError: ``hidden_act`` other than silu, an unsupported rope type, or what ``checks``
-            rejects; the message names the key and its value.
+        ValueError: a value of the wrong type, ``hidden_act`` other than silu, an unsupported or
+            incomplete rope block, or what ``checks`` rejects; the message names the key and value.
     """
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
@@ -186,13 +247,11 @@ def config_from_hf(config_cls: type, d: Mapping[str, Any], aliases: Mapping[str,
     aliases = dict(aliases)
     for f in dataclasses.fields(config_cls):
         if f.name == "rope_parameters":
-            kwargs[f.name] = _rope_from_hf(d)
+            kwargs[f.name] = _rope_from_hf(d, partial_rotary)
             continue
         for key in (f.name, *aliases.get(f.name, ())):
             if key in d:
-                if d[key] is None and f.name == "head_dim":
-                    break
-                kwargs[f.name] = _coerce(f.name, d[key], hints[f.name])
+                kwargs[f.name] = _typed("config.json", key, d[key], hints[f.name])
                 break
     return config_cls(**kwargs)
 
@@ -212,22 +271,23 @@ def config_to_hf(cfg: Any, model_type: str, architecture: str, skip: tuple[str, 
     return out
 
 
-def config_from_dict(config_cls: type, d: Mapping[str, Any]) -> Any:
+def config_from_dict(config_cls: type, d: Any, where: str = "checkpoint metadata") -> Any:
     """Rebuild a family config from :func:`mff.recipes.common.config_to_dict` output (checkpoint
-    metadata): nested ``rope_parameters`` becomes :class:`RopeParameters`, lists tuples.
+    metadata): nested ``rope_parameters`` becomes :class:`RopeParameters`, lists tuples; every
+    value is type-checked.
 
     Raises:
-        ValueError: a key the config class does not have.
+        ValueError: ``d`` is not a mapping, a key the config class does not have, or a value of
+            the wrong type (named), or a config that fails its ``validate()``.
     """
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{where}: the model config must be a mapping, got {type(d).__name__}")
     names = {f.name for f in dataclasses.fields(config_cls)}
-    unknown = sorted(set(d) - names)
+    unknown = sorted(str(k) for k in set(d) - names)
     if unknown:
-        raise ValueError(f"{config_cls.__name__} has no fields {unknown}")
-    kwargs = {}
-    for k, v in d.items():
-        if k == "rope_parameters" and isinstance(v, Mapping):
-            v = RopeParameters(**v)
-        elif isinstance(v, list):
-            v = tuple(v)
-        kwargs[k] = v
-    return config_cls(**kwargs)
+        raise ValueError(f"{where}: {config_cls.__name__} has no fields {unknown}")
+    hints = typing.get_type_hints(config_cls)
+    cfg = config_cls(**{k: _typed(where, k, v, hints[k]) for k, v in d.items()})
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg

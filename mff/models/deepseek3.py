@@ -5,7 +5,7 @@ Numerics follow HF transformers ``models/deepseek_v3`` (v5); param paths are HF'
 names, with MTP depths at ``model.layers.{num_hidden_layers + k}`` under DeepSeek's checkpoint
 names. Config field names are HF's ``DeepseekV3Config`` names (and DeepSeek's own
 ``num_nextn_predict_layers``, ``moe_layer_freq``, ``aux_loss_alpha``); the class defaults are
-the published DeepSeek-V3 (size ``v3-671b``).
+HF's, the published DeepSeek-V3 with its YaRN context is size ``v3-671b``.
 
 Shape legend: B batch, T sequence, D hidden_size, V vocab_size, E routed experts.
 """
@@ -23,7 +23,7 @@ from torch import nn
 
 from mff.model import Family, Output
 from mff.models.common import config_from_hf, config_to_hf
-from mff.nn.attention import document_causal_mask
+from mff.nn.decoder import prepare_positions_and_mask
 from mff.nn.layers import Embedding, RMSNorm
 from mff.nn.loss import count_targets as _count
 from mff.nn.loss import cross_entropy_sum
@@ -39,7 +39,9 @@ __all__ = ["DeepseekV3Config", "SIZES", "FAMILY", "DeepseekV3ForCausalLM"]
 
 @dataclass(frozen=True)
 class DeepseekV3Config:
-    """DeepSeek-V3 architecture (HF ``DeepseekV3Config`` names) plus its training coefficients."""
+    """DeepSeek-V3 architecture (HF ``DeepseekV3Config`` names; the defaults are HF's: the
+    671B dimensions with plain RoPE and 4096 positions, the real YaRN context is size
+    ``v3-671b``) plus its training coefficients."""
 
     vocab_size: int = 129280
     """Vocabulary size V."""
@@ -85,16 +87,13 @@ class DeepseekV3Config:
     """Normalise the top-k gate weights to sum 1 before routed_scaling_factor."""
     hidden_act: Literal["silu"] = "silu"
     """MLP activation (SwiGLU)."""
-    max_position_embeddings: int = 163840
+    max_position_embeddings: int = 4096
     """Longest sequence the model accepts."""
     initializer_range: float = 0.02
     """Std of the normal init of weight matrices."""
     rms_norm_eps: float = 1e-6
     """RMSNorm epsilon."""
-    rope_parameters: RopeParameters = RopeParameters(
-        rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0,
-        mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096,
-    )
+    rope_parameters: RopeParameters = RopeParameters()
     """RoPE / YaRN parameters (HF v5 rope_parameters)."""
     rope_interleave: bool = True
     """DeepSeek's interleaved rotary pair layout (HF rope_interleave)."""
@@ -173,7 +172,11 @@ SIZES: dict[str, DeepseekV3Config] = {
         rope_parameters=RopeParameters(rope_theta=10000.0), num_nextn_predict_layers=1,
     ),
     # The paper's dimensions (meta device only on CPU).
-    "v3-671b": DeepseekV3Config(),
+    "v3-671b": DeepseekV3Config(
+        max_position_embeddings=163840,
+        rope_parameters=RopeParameters(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0,
+                                       mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=4096),
+    ),
 }
 
 
@@ -201,9 +204,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h_BTD, cos, sin, mask):
+    def forward(self, h_BTD, cos, sin, mask, kv=None, offset=0):
         """Returns ``(h [B,T,D], expert load [E] | None, balance [B] | None)``."""
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask)
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask, kv, offset)
         x = self.post_attention_layernorm(h_BTD)
         if isinstance(self.mlp, MoE):
             y, load, scores, idx = self.mlp(x)
@@ -228,7 +231,8 @@ class DeepseekV3Model(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     """The skeleton. ``forward(input_ids, labels=None, position_ids=None, document_ids=None,
-    target_counts=None) -> Output`` (see :meth:`mff.model.Model.forward`)."""
+    target_counts=None, attention_mask=None, cache=None) -> Output`` (see
+    :meth:`mff.model.Model.forward`; with a cache the MTP depths are skipped and no loss is computed)."""
 
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__()
@@ -244,30 +248,32 @@ class DeepseekV3ForCausalLM(nn.Module):
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return h_BTD @ gather(w).t()
 
-    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None):
+    def cache_shapes(self, batch_size: int, max_len: int) -> list[dict[str, tuple[int, ...]]]:
+        """Per main layer (MTP depths are not used in generation), the MLA latent cache shapes."""
+        return [self.model.layers[i].self_attn.cache_shapes(batch_size, max_len) for i in range(self.config.num_hidden_layers)]
+
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None):
         cfg = self.config
         B, T = input_ids.shape
-        if T > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {T} exceeds max_position_embeddings {cfg.max_position_embeddings}")
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        position_ids, mask, offset, new_cache = prepare_positions_and_mask(
+            input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
         emb_BTD = self.model.embed_tokens(input_ids)
         inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=input_ids.device)
         cos, sin = rope_cos_sin(position_ids, inv_freq, self.attention_factor, emb_BTD.dtype)
-        mask = document_causal_mask(document_ids) if document_ids is not None else None
+        layer_kv = cache["layers"] if cache is not None else [None] * cfg.num_hidden_layers
 
         expert_load: dict[str, torch.Tensor] = {}
         balance: list[torch.Tensor] = []
         L = cfg.num_hidden_layers
         h = emb_BTD
         for i in range(L):
-            h, load, bal = self.model.layers[i](h, cos, sin, mask)
+            h, load, bal = self.model.layers[i](h, cos, sin, mask, layer_kv[i], offset)
             if load is not None:
                 expert_load[f"model.layers.{i}.mlp"] = load.detach()
                 balance.append(bal)
         logits = self._head(self.model.norm(h))
-        out = Output(logits=logits, expert_load=expert_load)
-        if labels is None:
+        out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
+        if labels is None or cache is not None:
             return out
 
         counts = target_counts if target_counts is not None else count_targets(cfg, {"labels": labels, "document_ids": document_ids, "input_ids": input_ids})

@@ -102,7 +102,7 @@ FAMILY = Family(
     param_counts=common.gqa_param_counts,
     train_flops_per_token=common.gqa_train_flops_per_token,
     hf_model_types=("glm4",),
-    from_hf_config=lambda d: common.config_from_hf(Glm4Config, d),
+    from_hf_config=lambda d: common.config_from_hf(Glm4Config, d, partial_rotary=True),
     to_hf_config=lambda cfg: common.config_to_hf(cfg, "glm4", "Glm4ForCausalLM"),
     description="GLM-4-0414 dense: partial rotary, sandwich norms, fused gate_up",
 )

@@ -29,7 +29,8 @@ __all__ = ["Glm4MoeConfig", "SIZES", "FAMILY", "skeleton"]
 
 @dataclass(frozen=True)
 class Glm4MoeConfig:
-    """GLM-4.5 architecture (HF ``Glm4MoeConfig`` names) plus the expert-bias update rate."""
+    """GLM-4.5 architecture (HF ``Glm4MoeConfig`` names; the defaults are HF's) plus the
+    expert-bias update rate."""
 
     vocab_size: int = 151552
     """Vocabulary size V."""
@@ -45,8 +46,8 @@ class Glm4MoeConfig:
     """Query heads H."""
     num_key_value_heads: int = 8
     """KV heads (GQA)."""
-    head_dim: int = 128
-    """Per-head width."""
+    head_dim: int | None = None
+    """Per-head width; None = hidden_size // num_attention_heads."""
     hidden_act: Literal["silu"] = "silu"
     """Activation (SwiGLU)."""
     max_position_embeddings: int = 131072
@@ -57,9 +58,9 @@ class Glm4MoeConfig:
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
     """Use the embedding matrix as the output head."""
-    rope_parameters: RopeParameters = RopeParameters(rope_theta=1000000.0, partial_rotary_factor=0.5)
+    rope_parameters: RopeParameters = RopeParameters(partial_rotary_factor=0.5)
     """RoPE parameters; partial_rotary_factor 0.5 rotates half of each head."""
-    attention_bias: bool = True
+    attention_bias: bool = False
     """Biases on q/k/v (not on o_proj)."""
     use_qk_norm: bool = False
     """Per-head RMSNorm of q and k before RoPE."""
@@ -90,6 +91,10 @@ class Glm4MoeConfig:
     pad_token_id: int | None = None
     """Padding token id (metadata)."""
 
+    def __post_init__(self):
+        if self.head_dim is None and self.num_attention_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it must be."""
         check_gqa(self)
@@ -102,16 +107,19 @@ class Glm4MoeConfig:
              f"moe_router_bias_update_rate={self.moe_router_bias_update_rate} must be >= 0")
 
 
+_GLM45_ROPE = RopeParameters(rope_theta=1000000.0, partial_rotary_factor=0.5)
+
 SIZES = {
     "tiny": Glm4MoeConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, moe_intermediate_size=256, num_hidden_layers=4,
                           num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
-                          use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                          attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
                           routed_scaling_factor=2.5, num_nextn_predict_layers=0),
-    "glm-4.5-air": Glm4MoeConfig(eos_token_id=(151329, 151336, 151338), pad_token_id=151329),
+    "glm-4.5-air": Glm4MoeConfig(head_dim=128, attention_bias=True, rope_parameters=_GLM45_ROPE,
+                                 eos_token_id=(151329, 151336, 151338), pad_token_id=151329),
     "glm-4.5": Glm4MoeConfig(hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=92,
-                             num_attention_heads=96, num_key_value_heads=8, use_qk_norm=True, n_routed_experts=160,
-                             routed_scaling_factor=2.5, first_k_dense_replace=3, eos_token_id=(151329, 151336, 151338),
-                             pad_token_id=151329),
+                             num_attention_heads=96, num_key_value_heads=8, head_dim=128, attention_bias=True, use_qk_norm=True,
+                             n_routed_experts=160, routed_scaling_factor=2.5, first_k_dense_replace=3, rope_parameters=_GLM45_ROPE,
+                             eos_token_id=(151329, 151336, 151338), pad_token_id=151329),
 }
 
 
@@ -148,7 +156,8 @@ FAMILY = Family(
     fp32_params=("**.mlp.gate.weight", "**.e_score_correction_bias"),
     frozen_params=("**.e_score_correction_bias",),
     hf_model_types=("glm4_moe",),
-    from_hf_config=lambda d: common.config_from_hf(Glm4MoeConfig, d, aliases={"n_routed_experts": ("num_local_experts",)}),
+    from_hf_config=lambda d: common.config_from_hf(Glm4MoeConfig, d, aliases={"n_routed_experts": ("num_local_experts",)},
+                                                   partial_rotary=True),
     to_hf_config=lambda cfg: common.config_to_hf(cfg, "glm4_moe", "Glm4MoeForCausalLM", skip=("moe_router_bias_update_rate",)),
     description="GLM-4.5 MoE: partial rotary GQA, sigmoid routing with expert bias",
 )

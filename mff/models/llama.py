@@ -36,8 +36,8 @@ class LlamaConfig:
     """Transformer layers L."""
     num_attention_heads: int = 32
     """Query heads H."""
-    num_key_value_heads: int = 32
-    """KV heads (GQA; H must be a multiple)."""
+    num_key_value_heads: int | None = None
+    """KV heads (GQA; H must be a multiple); None = num_attention_heads."""
     head_dim: int | None = None
     """Per-head width; None = hidden_size // num_attention_heads."""
     hidden_act: Literal["silu"] = "silu"
@@ -70,6 +70,8 @@ class LlamaConfig:
     def __post_init__(self):
         if self.head_dim is None and self.num_attention_heads > 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it must be."""

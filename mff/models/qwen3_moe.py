@@ -30,7 +30,8 @@ __all__ = ["Qwen3MoeConfig", "SIZES", "FAMILY", "skeleton"]
 
 @dataclass(frozen=True)
 class Qwen3MoeConfig:
-    """Qwen3-MoE architecture (HF ``Qwen3MoeConfig`` names)."""
+    """Qwen3-MoE architecture (HF ``Qwen3MoeConfig`` names; the defaults are HF's, so a
+    config.json that leaves a key out means what it means to transformers)."""
 
     vocab_size: int = 151936
     """Vocabulary size V."""
@@ -40,17 +41,17 @@ class Qwen3MoeConfig:
     """Width of dense (mlp_only) layers."""
     moe_intermediate_size: int = 768
     """Width of each routed expert."""
-    num_hidden_layers: int = 48
+    num_hidden_layers: int = 24
     """Transformer layers L."""
     num_attention_heads: int = 32
     """Query heads H."""
     num_key_value_heads: int = 4
     """KV heads (GQA)."""
-    head_dim: int = 128
-    """Per-head width."""
+    head_dim: int | None = None
+    """Per-head width; None = hidden_size // num_attention_heads."""
     hidden_act: Literal["silu"] = "silu"
     """Activation (SwiGLU)."""
-    max_position_embeddings: int = 40960
+    max_position_embeddings: int = 32768
     """Longest sequence the model accepts."""
     initializer_range: float = 0.02
     """Std of the normal init of weight matrices."""
@@ -58,7 +59,7 @@ class Qwen3MoeConfig:
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
     """Use the embedding matrix as the output head."""
-    rope_parameters: RopeParameters = RopeParameters(rope_theta=1000000.0)
+    rope_parameters: RopeParameters = RopeParameters()
     """RoPE parameters (HF v5 rope_parameters)."""
     attention_bias: bool = False
     """Biases on q/k/v/o."""
@@ -66,7 +67,7 @@ class Qwen3MoeConfig:
     """Routed experts E per MoE layer (HF also spells it num_local_experts)."""
     num_experts_per_tok: int = 8
     """Routed experts per token K (top-k)."""
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
     """Renormalise the top-k probabilities to sum 1."""
     decoder_sparse_step: int = 1
     """Every decoder_sparse_step-th layer is MoE (HF: (idx + 1) % step == 0)."""
@@ -80,6 +81,10 @@ class Qwen3MoeConfig:
     """End-of-sequence token id(s) (metadata)."""
     pad_token_id: int | None = None
     """Padding token id (metadata)."""
+
+    def __post_init__(self):
+        if self.head_dim is None and self.num_attention_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it must be."""
@@ -99,10 +104,14 @@ class Qwen3MoeConfig:
 SIZES = {
     "tiny": Qwen3MoeConfig(vocab_size=8192, hidden_size=256, intermediate_size=688, moe_intermediate_size=256, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
-                           num_experts=8, num_experts_per_tok=2, mlp_only_layers=(0,)),
-    "30b-a3b": Qwen3MoeConfig(bos_token_id=151643, eos_token_id=151645),
+                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=(0,),
+                           rope_parameters=RopeParameters(rope_theta=1000000.0)),
+    "30b-a3b": Qwen3MoeConfig(num_hidden_layers=48, head_dim=128, max_position_embeddings=40960, norm_topk_prob=True,
+                              rope_parameters=RopeParameters(rope_theta=1000000.0), bos_token_id=151643, eos_token_id=151645),
     "235b-a22b": Qwen3MoeConfig(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
-                                num_attention_heads=64, num_key_value_heads=4, bos_token_id=151643, eos_token_id=151645),
+                                num_attention_heads=64, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                                norm_topk_prob=True, rope_parameters=RopeParameters(rope_theta=1000000.0),
+                                bos_token_id=151643, eos_token_id=151645),
 }
 
 

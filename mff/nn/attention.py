@@ -1,9 +1,15 @@
-"""Causal self-attention over [B, T, H, D] tensors, optionally restricted to documents.
+"""Causal self-attention over [B, T, H, D] tensors, optionally restricted to documents, to
+valid (non-padding) keys, and against a KV cache.
 
-``document_ids`` [B, T] (int) marks packed documents: query t attends key s only when
-``s <= t`` and both carry the same id. Without it the mask is plain causal (SDPA's
-``is_causal``). Computed by ``F.scaled_dot_product_attention``; value and query/key head
-dims may differ (MLA).
+Masks are boolean, True where query i may attend key j:
+
+- packed documents (``document_ids`` [B, T]): ``j <= i`` and both in the same document;
+- with a KV cache holding ``offset`` earlier slots, the causal mask is aligned bottom-right:
+  query i of L_q (absolute slot ``offset + i``) sees keys ``j <= offset + i``, and only keys
+  marked valid (left padding is invalid).
+
+A query row with no visible key (a padding position) gives 0, never NaN. Computed by
+``F.scaled_dot_product_attention``; value and query/key head dims may differ (MLA).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["document_causal_mask", "causal_attention"]
+__all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention"]
 
 
 def document_causal_mask(document_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -22,20 +28,58 @@ def document_causal_mask(document_ids_BT: torch.Tensor) -> torch.Tensor:
     return (causal & same)[:, None]
 
 
+def cache_causal_mask(key_valid_BS: torch.Tensor, offset: int, q_len: int) -> torch.Tensor:
+    """Boolean mask [B, 1, q_len, offset + q_len] for ``q_len`` new queries after ``offset``
+    cached slots: key j visible to query i iff ``j <= offset + i`` and ``key_valid[b, j]``."""
+    S = offset + q_len
+    j = torch.arange(S, device=key_valid_BS.device)
+    i = torch.arange(q_len, device=key_valid_BS.device) + offset
+    causal = j[None, :] <= i[:, None]  # [L, S]
+    return (causal[None] & key_valid_BS[:, None, :S])[:, None]
+
+
+def _repeat_heads(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x_BSKD
+    B, S, K, D = x_BSKD.shape
+    return x_BSKD[:, :, :, None, :].expand(B, S, K, n_rep, D).reshape(B, S, K * n_rep, D)
+
+
 def causal_attention(
     q_BTHD: torch.Tensor,
-    k_BTHD: torch.Tensor,
-    v_BTHE: torch.Tensor,
+    k_BSKD: torch.Tensor,
+    v_BSKE: torch.Tensor,
     scale: float,
-    mask_B1TT: torch.Tensor | None = None,
+    mask_B1TS: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v, per head. Returns [B, T, H, E].
 
-    ``mask_B1TT`` from :func:`document_causal_mask`, or None for plain causal attention.
+    K/V may have fewer heads K than the queries' H (GQA / MQA; H a multiple of K): query head h
+    reads KV head ``h // (H / K)``. ``mask_B1TS``: a boolean mask (:func:`document_causal_mask`,
+    :func:`cache_causal_mask`), or None for plain causal attention with T == S. Rows with no
+    visible key output 0.
+
+    Few queries (decoding, T <= 16) take a plain einsum/softmax path over the grouped heads,
+    which on CPU is far faster than SDPA with a mask at that size; otherwise
+    ``F.scaled_dot_product_attention``.
     """
-    q, k, v = (t.transpose(1, 2) for t in (q_BTHD, k_BTHD, v_BTHE))
-    if mask_B1TT is None:
+    B, T, H, _ = q_BTHD.shape
+    K = k_BSKD.shape[2]
+    n_rep = H // K
+    if mask_B1TS is not None and T <= 16:
+        qg = q_BTHD.reshape(B, T, K, n_rep, q_BTHD.shape[-1])
+        scores = torch.einsum("btkrd,bskd->bkrts", qg, k_BSKD).float() * scale  # [B, K, rep, T, S]
+        m = mask_B1TS[:, :, None]  # [B, 1, 1, T, S]
+        empty = ~m.any(-1, keepdim=True)
+        probs = torch.softmax(scores.masked_fill(~(m | empty), float("-inf")), dim=-1).masked_fill(empty, 0.0)
+        o = torch.einsum("bkrts,bske->btkre", probs.to(v_BSKE.dtype), v_BSKE)
+        return o.reshape(B, T, H, v_BSKE.shape[-1])
+    q = q_BTHD.transpose(1, 2)
+    k = _repeat_heads(k_BSKD, n_rep).transpose(1, 2)
+    v = _repeat_heads(v_BSKE, n_rep).transpose(1, 2)
+    if mask_B1TS is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TT, scale=scale)
-    return o.transpose(1, 2)
+        return o.transpose(1, 2)
+    empty = ~mask_B1TS.any(-1, keepdim=True)  # [B, 1, T, 1]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS | empty, scale=scale)
+    return o.masked_fill(empty, 0.0).transpose(1, 2)

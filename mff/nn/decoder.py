@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mff.model import Output
-from mff.nn.attention import document_causal_mask
+from mff.nn.attention import cache_causal_mask, document_causal_mask
 from mff.nn.layers import Embedding, RMSNorm
 from mff.nn.loss import count_targets as _count
 from mff.nn.loss import cross_entropy_sum
@@ -31,11 +31,48 @@ from mff.nn.moe import MoE
 from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq
 from mff.parallel.gather import gather
 
-__all__ = ["DecoderLayer", "CausalLM", "BalanceFn"]
+__all__ = ["DecoderLayer", "CausalLM", "BalanceFn", "prepare_positions_and_mask"]
 
 # (config, router scores per MoE layer [N, E], chosen experts per MoE layer [N, K],
 #  target counts) -> the weighted balance loss term, or None for none
 BalanceFn = Callable[[Any, Sequence[torch.Tensor], Sequence[torch.Tensor], Mapping[str, torch.Tensor]], "torch.Tensor | None"]
+
+
+def prepare_positions_and_mask(input_ids, position_ids, document_ids, attention_mask, cache, max_positions):
+    """Positions, attention mask and cache bookkeeping for one forward.
+
+    Without a cache: positions default to ``0 .. T-1`` (or follow ``attention_mask`` for left
+    padding); the mask is None (plain causal), the document mask, or causal & valid keys.
+    With a cache (see :func:`mff.nn.kv_cache.init_cache`): the new slots ``offset .. offset +
+    T - 1`` are marked valid per ``attention_mask``; each row's positions continue from its
+    ``next_pos``; the mask is aligned bottom-right over all filled slots.
+
+    Returns ``(position_ids [B, T], mask or None, offset, updated cache or None)``.
+    Raises ValueError when the sequence or the cache would exceed their lengths.
+    """
+    B, T = input_ids.shape
+    valid = attention_mask.bool() if attention_mask is not None else None
+    if cache is None:
+        if T > max_positions:
+            raise ValueError(f"sequence length {T} exceeds max_position_embeddings {max_positions}")
+        if position_ids is None:
+            position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0) if valid is not None else torch.arange(T, device=input_ids.device).expand(B, T)
+        mask = document_causal_mask(document_ids) if document_ids is not None else None
+        if valid is not None:
+            pad_mask = cache_causal_mask(valid, 0, T)
+            mask = pad_mask if mask is None else mask & pad_mask
+        return position_ids, mask, 0, None
+    offset = cache["offset"]
+    S = cache["valid"].shape[1]
+    if offset + T > S:
+        raise ValueError(f"the KV cache holds {S} slots; {offset} are filled and {T} more do not fit")
+    step_valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    cache["valid"][:, offset:offset + T] = step_valid
+    if position_ids is None:
+        position_ids = (cache["next_pos"][:, None] + step_valid.long().cumsum(-1) - 1).clamp(min=0)
+    mask = cache_causal_mask(cache["valid"], offset, T)
+    new_cache = {**cache, "offset": offset + T, "next_pos": cache["next_pos"] + step_valid.long().sum(-1)}
+    return position_ids, mask, offset, new_cache
 
 
 class DecoderLayer(nn.Module):
@@ -53,8 +90,8 @@ class DecoderLayer(nn.Module):
         else:
             self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
-    def forward(self, h_BTD, cos, sin, mask):
-        a = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask)
+    def forward(self, h_BTD, cos, sin, mask, kv=None, offset=0):
+        a = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask, kv, offset)
         if self.post_self_attn_layernorm is not None:
             a = self.post_self_attn_layernorm(a)
         h_BTD = h_BTD + a
@@ -80,7 +117,8 @@ class _Body(nn.Module):
 
 class CausalLM(nn.Module):
     """The skeleton of a GQA family. ``forward(input_ids, labels=None, position_ids=None,
-    document_ids=None, target_counts=None) -> Output`` (see :meth:`mff.model.Model.forward`).
+    document_ids=None, target_counts=None, attention_mask=None, cache=None) -> Output`` (see
+    :meth:`mff.model.Model.forward`).
 
     Args:
         cfg: the family config; reads ``vocab_size``, ``hidden_size``, ``rms_norm_eps``,
@@ -103,29 +141,31 @@ class CausalLM(nn.Module):
         self._inv_freq = inv_freq.tolist()  # a plain list: skeletons hold no buffers
         self._balance_fn = balance_fn
 
-    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None):
+    def cache_shapes(self, batch_size: int, max_len: int) -> list[dict[str, tuple[int, ...]]]:
+        """Per layer, the shapes of its KV cache tensors."""
+        return [layer.self_attn.cache_shapes(batch_size, max_len) for layer in self.model.layers]
+
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None):
         cfg = self.config
         B, T = input_ids.shape
-        if T > cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {T} exceeds max_position_embeddings {cfg.max_position_embeddings}")
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        position_ids, mask, offset, new_cache = prepare_positions_and_mask(
+            input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
         h = self.model.embed_tokens(input_ids)
         inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=input_ids.device)
         cos, sin = rope_cos_sin(position_ids, inv_freq, self.attention_factor, h.dtype)
-        mask = document_causal_mask(document_ids) if document_ids is not None else None
+        layer_kv = cache["layers"] if cache is not None else [None] * len(self.model.layers)
 
         expert_load: dict[str, torch.Tensor] = {}
         scores, indices = [], []
         for i, layer in enumerate(self.model.layers):
-            h, routing = layer(h, cos, sin, mask)
+            h, routing = layer(h, cos, sin, mask, layer_kv[i], offset)
             if routing is not None:
                 expert_load[f"model.layers.{i}.mlp"] = routing[0].detach()
                 scores.append(routing[1])
                 indices.append(routing[2])
         w = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
         logits = self.model.norm(h) @ gather(w).t()
-        out = Output(logits=logits, expert_load=expert_load)
+        out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
         if labels is None:
             return out
         counts = target_counts if target_counts is not None else {"lm": _count(labels), "balance": torch.tensor(labels.numel())}

@@ -43,6 +43,10 @@ class GQA(nn.Module):
         ValueError: ``num_heads`` not a multiple of ``num_key_value_heads``.
     """
 
+    def cache_shapes(self, batch_size: int, max_len: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of this layer's KV cache: K and V per KV head."""
+        return {"k": (batch_size, max_len, self.num_kv, self.head_dim), "v": (batch_size, max_len, self.num_kv, self.head_dim)}
+
     def __init__(self, hidden_size: int, num_heads: int, num_key_value_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False, rope_layout: str = "half",
                  eps: float = 1e-6):
@@ -61,7 +65,11 @@ class GQA(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                kv: dict | None = None, offset: int = 0) -> torch.Tensor:
+        """``kv``: this layer's cache ``{"k", "v": [B, S_max, Hkv, Dh]}``; the new keys and values
+        are written at slots ``offset .. offset + T - 1`` (in place) and attention runs over slots
+        ``0 .. offset + T - 1`` with ``mask`` [B, 1, T, offset + T]."""
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x_BTD).view(B, T, self.num_kv, self.head_dim)
@@ -70,6 +78,9 @@ class GQA(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin, layout=self.rope_layout)
         k = apply_rope(k, cos, sin, layout=self.rope_layout)
-        n_rep = self.num_heads // self.num_kv
-        o = causal_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), self.head_dim ** -0.5, mask)
+        if kv is not None:
+            kv["k"][:, offset:offset + T] = k
+            kv["v"][:, offset:offset + T] = v
+            k, v = kv["k"][:, :offset + T], kv["v"][:, :offset + T]
+        o = causal_attention(q, k, v, self.head_dim ** -0.5, mask)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))

@@ -6,8 +6,15 @@ Param names are HF transformers' ``DeepseekV3Attention``:
 (or ``q_proj`` [H*(N+R), D] when ``q_lora_rank`` is None), ``kv_a_proj_with_mqa``
 [C+R, D], ``kv_a_layernorm`` [C], ``kv_b_proj`` [H*(N+Vd), C], ``o_proj`` [D, H*Vd].
 
-Shape legend: B batch, T sequence, D hidden, H heads, N qk_nope_head_dim, R qk_rope_head_dim,
-Vd v_head_dim, C kv_lora_rank. Numerics follow HF ``DeepseekV3Attention``: the softmax scale is
+With a KV cache (generation) the layer caches only the normalised latent ``c`` [C] and the
+rotated shared key ``k_rot`` [R] per token, and attends in the latent space ("absorbed"
+attention, DeepSeek-V2 paper section 2.1.2 / appendix; MindFormers' absorbed MLA): with
+``kv_b_proj`` split into ``W_UK`` [H, N, C] and ``W_UV`` [H, Vd, C], the score is
+``(q_nope W_UK) . c_s + q_rot . k_rot_s`` and the output ``(sum_s a_s c_s) W_UV^T``, which
+equals the expanded computation. The cache per token per layer is C + R values.
+
+Shape legend: B batch, T sequence, S cached slots, D hidden, H heads, N qk_nope_head_dim,
+R qk_rope_head_dim, Vd v_head_dim, C kv_lora_rank. Numerics follow HF ``DeepseekV3Attention``: the softmax scale is
 ``(N + R) ** -0.5`` times the YaRN correction (:func:`mff.nn.rope.yarn_softmax_scale`).
 """
 
@@ -19,6 +26,7 @@ from torch import nn
 from mff.nn.attention import causal_attention
 from mff.nn.layers import Linear, RMSNorm
 from mff.nn.rope import apply_rope
+from mff.parallel.gather import gather
 
 __all__ = ["MLA"]
 
@@ -59,7 +67,15 @@ class MLA(nn.Module):
         self.kv_b_proj = Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim))
         self.o_proj = Linear(num_heads * v_head_dim, hidden_size, bias=attention_bias)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def cache_shapes(self, batch_size: int, max_len: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of this layer's cache: the latent ``c`` [C] and the rotated key ``k_rot`` [R] per slot."""
+        return {"c": (batch_size, max_len, self.kv_lora_rank), "k_rot": (batch_size, max_len, self.rope)}
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                kv: dict | None = None, offset: int = 0) -> torch.Tensor:
+        """Without ``kv``: the expanded path (training). With ``kv`` (``{"c": [B, S_max, C],
+        "k_rot": [B, S_max, R]}``): writes this step's slots ``offset .. offset + T - 1`` in place
+        and attends over slots ``0 .. offset + T - 1`` in the latent space, ``mask`` [B, 1, T, offset + T]."""
         B, T, _ = x_BTD.shape
         H = self.num_heads
         if self.q_lora_rank is None:
@@ -75,10 +91,26 @@ class MLA(nn.Module):
 
         q_rot = apply_rope(q_rot, cos, sin, self.rope_interleave)
         k_rot_BT1R = apply_rope(k_rot_BTR.unsqueeze(2), cos, sin, self.rope_interleave)
+        if kv is not None:
+            return self._absorbed(q_nope, q_rot, c_BTC, k_rot_BT1R.squeeze(2), mask, kv, offset)
 
         kv = self.kv_b_proj(c_BTC).view(B, T, H, self.nope + self.v_dim)
         k_nope, v_BTHV = kv.split([self.nope, self.v_dim], dim=-1)
         q_full = torch.cat((q_nope, q_rot), dim=-1)
         k_full = torch.cat((k_nope, k_rot_BT1R.expand(B, T, H, self.rope)), dim=-1)
         o_BTHV = causal_attention(q_full, k_full, v_BTHV, self.softmax_scale, mask)
+        return self.o_proj(o_BTHV.reshape(B, T, H * self.v_dim))
+
+    def _absorbed(self, q_nope, q_rot, c_BTC, k_rot_BTR, mask, kv, offset):
+        B, T, H, _ = q_nope.shape
+        kv["c"][:, offset:offset + T] = c_BTC
+        kv["k_rot"][:, offset:offset + T] = k_rot_BTR
+        c_BSC, k_rot_BSR = kv["c"][:, :offset + T], kv["k_rot"][:, :offset + T]
+        w = gather(self.kv_b_proj.weight).view(H, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
+        q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
+        q_cat = torch.cat((q_lat, q_rot), dim=-1)  # [B, T, H, C + R]
+        k_cat = torch.cat((c_BSC, k_rot_BSR), dim=-1)[:, :, None]  # [B, S, 1, C + R]: one key head (MQA)
+        o_lat = causal_attention(q_cat, k_cat, c_BSC[:, :, None], self.softmax_scale, mask)
+        o_BTHV = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
         return self.o_proj(o_BTHV.reshape(B, T, H * self.v_dim))

@@ -151,7 +151,8 @@ class Experts(nn.Module):
     """Stacked routed experts. ``forward(x [N, D], weights [N, K], indices [N, K]) -> (y [N, D], counts [E])``.
 
     ``y_n = sum_k weights[n, k] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` with ``e = indices[n, k]``;
-    ``counts`` are the token slots per expert (int64).
+    ``counts`` are the token slots per expert (int64). With at most E token slots (decoding) the
+    chosen experts' weights are gathered per slot instead (no host sync).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -163,6 +164,8 @@ class Experts(nn.Module):
     def forward(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         N, D = x_ND.shape
         K = idx_NK.shape[1]
+        if N * K <= self.num_experts:
+            return self._gathered(x_ND, w_NK, idx_NK)
         flat = idx_NK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of_slot = order // K
@@ -177,6 +180,19 @@ class Experts(nn.Module):
         y_SD = y_SD * w_NK.reshape(-1)[order, None]
         out = torch.zeros(N, D, dtype=y_SD.dtype, device=x_ND.device).index_add_(0, token_of_slot, y_SD)
         return out.to(x_ND.dtype), counts_E
+
+    def _gathered(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Few token slots (decoding): gather each slot's expert weights and use batched
+        mat-vecs. No host sync (no group sizes needed), and only the chosen experts are read."""
+        N, D = x_ND.shape
+        K = idx_NK.shape[1]
+        flat = idx_NK.reshape(-1)
+        x_S1D = x_ND.repeat_interleave(K, dim=0)[:, None, :]
+        h = torch.bmm(x_S1D, gather(self.gate_up_proj)[flat].transpose(1, 2))  # [S, 1, 2I]
+        g, u = h.chunk(2, dim=-1)
+        y = torch.bmm(F.silu(g) * u, gather(self.down_proj)[flat].transpose(1, 2)).squeeze(1)  # [S, D]
+        y = (y * w_NK.reshape(-1, 1)).view(N, K, D).sum(1)
+        return y.to(x_ND.dtype), torch.bincount(flat, minlength=self.num_experts)
 
 
 class MoE(nn.Module):

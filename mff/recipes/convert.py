@@ -5,16 +5,24 @@
 ``--src`` is an HF model folder (config.json + safetensors, sharded or not, FP8 included), an
 mff checkpoint (run or step folder) or a .gguf file. ``--to hf`` writes a folder that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads (experts one tensor per expert);
-A GGUF source also gives the HF folder its ``tokenizer.json`` and ``tokenizer_config.json``
-(special tokens and the chat template from the GGUF metadata). ``--to mff`` writes a weights-only mff checkpoint (``DST/step_00000000``, ``DST/latest``) that
-``mff.load`` and ``pretrain --init-from`` read. The source is read one shard at a time and the
-output is streamed to disk, so peak memory stays near the model's size plus one shard. Outputs
-are written under a temp name and renamed; an existing non-empty ``--dst`` is refused.
+``--to mff`` writes a weights-only mff checkpoint (``DST/step_00000000``, ``DST/latest``) that
+``mff.load`` and ``pretrain --init-from`` read. The tokenizer travels along: an HF folder's
+tokenizer files, an mff run's tokenizer.json, or a GGUF file's tokenizer and chat template
+(written as tokenizer.json and tokenizer_config.json).
+
+The source is read one shard at a time and the output is streamed to disk, so peak memory
+stays near the model's size plus one shard. The output is written into a temp folder beside
+``--dst`` and renamed into place: an interrupted conversion leaves no half-written ``--dst``
+(and the temp folder of a killed run is removed by the next one). An existing non-empty
+``--dst`` is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +32,18 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from mff.ckpt.autoload import checkpoint_kind, load
-from mff.ckpt.checkpoint import save_weights
+from mff.ckpt.autoload import checkpoint_kind, load, resolve_mff_step_dir
+from mff.ckpt.checkpoint import CheckpointError, save_weights
 from mff.ckpt.hf import save_hf
+from mff.ckpt.safetensors_io import parse_size
 from mff.recipes.common import config_to_dict, fail
 
 __all__ = ["ConvertConfig", "convert", "main"]
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# the files of an HF folder that describe the tokenizer and generation defaults
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 @dataclass(frozen=True)
@@ -47,53 +59,115 @@ class ConvertConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Output dtype; auto keeps the stored dtypes (FP8 weights become bfloat16, GGUF float32)."""
     max_shard_size: str = "5GB"
-    """--to hf: largest shard file (e.g. 5GB, 500MB)."""
+    """--to hf: largest shard file, in bytes or with a unit (5GB, 500MB)."""
 
 
-def _gguf_tokenizer_files(path: str) -> dict[str, str] | None:
-    """``tokenizer.json`` and ``tokenizer_config.json`` built from a GGUF file's tokenizer metadata."""
-    from mff.ckpt.gguf import read_gguf
+def _tokenizer_files(src: str, kind: str) -> dict[str, str]:
+    """The tokenizer files that go with the source (name -> text)."""
+    if kind == "gguf":
+        from mff.ckpt.gguf import read_gguf
 
-    g = read_gguf(path)
-    if g.tokenizer is None:
-        return None
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": g.bos_token, "eos_token": g.eos_token,
-               "clean_up_tokenization_spaces": False}
-    if g.chat_template:
-        tok_cfg["chat_template"] = g.chat_template
-    return {"tokenizer.json": g.tokenizer.to_str(), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
+        g = read_gguf(src)
+        if g.tokenizer is None:
+            return {}
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": g.bos_token, "eos_token": g.eos_token,
+                   "clean_up_tokenization_spaces": False}
+        if g.chat_template:
+            tok_cfg["chat_template"] = g.chat_template
+        return {"tokenizer.json": g.tokenizer.to_str(), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
+    folder = Path(src)
+    if kind == "mff":
+        step = resolve_mff_step_dir(folder)
+        folder = step if (step / "tokenizer.json").is_file() else step.parent
+    out = {}
+    for name in TOKENIZER_FILES:
+        f = folder / name
+        if f.is_file():
+            try:
+                out[name] = f.read_text()
+            except UnicodeDecodeError:  # a binary sentencepiece model: skipped (tokenizer.json covers fast tokenizers)
+                continue
+    return out
+
+
+def _remove_stale_tmp(dst: Path) -> None:
+    """Remove temp folders of conversions into ``dst`` whose process is gone."""
+    for tmp in dst.parent.glob(f".tmp-{dst.name}-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+                continue  # still running
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def convert(cfg: ConvertConfig) -> Path:
-    """Run one conversion; returns the output folder. Errors as :func:`mff.load` and
-    :func:`mff.save_hf` raise them."""
+    """Run one conversion; returns the output folder.
+
+    Raises:
+        FileExistsError: ``--dst`` exists and is not an empty folder.
+        PermissionError: ``--dst``'s parent folder is not writable.
+        ValueError, FileNotFoundError, CheckpointError: as :func:`mff.load` raises them;
+            a bad ``--max-shard-size``.
+    """
     dst = Path(cfg.dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FileExistsError(f"--dst {dst} exists and is not empty; choose a new folder")
+        raise FileExistsError(f"--dst {dst} exists and is not an empty folder; choose a new folder")
+    parent = dst.absolute().parent
+    if parent.exists() and not parent.is_dir():
+        raise FileExistsError(f"--dst {dst}: {parent} is a file, not a folder")
+    parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"--dst {dst}: cannot write in {parent}")
+    parse_size(cfg.max_shard_size)
+    kind = checkpoint_kind(cfg.src)
+    _remove_stale_tmp(dst.absolute())
     model, params = load(cfg.src, dtype=DTYPES[cfg.dtype])
-    extra = _gguf_tokenizer_files(cfg.src) if cfg.to == "hf" and checkpoint_kind(cfg.src) == "gguf" else None
+    extra = _tokenizer_files(cfg.src, kind)
     total = sum(t.numel() * t.element_size() for t in params.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {cfg.to}", file=sys.stderr) as bar:
         if cfg.to == "hf":
-            out = save_hf(model, params, dst, cfg.max_shard_size, progress=bar.update, extra_files=extra)
+            out = save_hf(model, params, dst, parse_size(cfg.max_shard_size), progress=bar.update, extra_files=extra)
         else:
-            if dst.exists():
-                dst.rmdir()
-            meta = {"family": model.family.name, "size": "converted", "config": config_to_dict(model.config), "source": str(cfg.src)}
-            save_weights(dst, params, meta, progress=bar.update)
+            tmp = dst.absolute().with_name(f".tmp-{dst.name}-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                meta = {"family": model.family.name, "size": "converted", "config": config_to_dict(model.config), "source": str(cfg.src)}
+                save_weights(tmp, params, meta, progress=bar.update)
+                if "tokenizer.json" in extra:
+                    (tmp / "tokenizer.json").write_text(extra["tokenizer.json"])
+                if dst.exists():
+                    dst.rmdir()
+                os.replace(tmp, dst)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             out = dst
-    print(f"wrote {out} ({model.family.name}, {total / 1e9:.3f} GB of weights)")
+    size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
+    print(f"wrote {out} ({model.family.name}, {size} of weights)")
     return out
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, _terminate)  # clean the temp folder up on kill too
     try:
         convert(tyro.cli(ConvertConfig, args=argv, prog="python -m mff.recipes.convert", description=__doc__))
         return 0
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written to --dst", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, PermissionError) as e:
         return fail(e, 2)
-    except OSError as e:
+    except (CheckpointError, OSError) as e:
         return fail(e, 1)
 
 

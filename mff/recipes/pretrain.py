@@ -9,11 +9,14 @@ overrides any of its fields; every other option is a flag (``--help`` lists them
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
@@ -21,6 +24,7 @@ import torch.distributed as dist
 
 from mff import ckpt
 from mff.backend import DeviceUnavailable, init_distributed, resolve_device
+from mff.ckpt.autoload import checkpoint_kind, resolve_mff_step_dir
 from mff.ckpt.autoload import load as load_checkpoint
 from mff.data import (
     DataConfig,
@@ -30,7 +34,8 @@ from mff.data import (
     split_microbatches,
     unigram_entropy,
 )
-from mff.models import build
+from mff.models import build, get_family
+from mff.models.common import config_from_dict
 from mff.optim import AdamWConfig, adamw, warmup_cosine
 from mff.parallel import ParallelConfig, build_mesh, placements_of
 from mff.recipes.common import (
@@ -171,17 +176,78 @@ def _resume(cfg: PretrainConfig, family: str, model, params, opt_state, loader):
     return params, opt_state, meta["step"], meta["tokens_seen"]
 
 
-def _init_from(path: str | None):
-    """``(family, config, params)`` of ``--init-from PATH`` when the flag is given (pre-parsed:
-    the checkpoint decides the model config before tyro parses the rest)."""
-    if path is None:
-        return None
-    model, params = load_checkpoint(path, dtype=torch.float32)
-    return model.family.name, model.config, params
+def _save_tokenizer(ckpt_dir: str, tokenizer) -> None:
+    """Keep the run's tokenizer as ``CKPT_DIR/tokenizer.json`` (for ``mff.recipes.generate``),
+    written once, atomically."""
+    path = Path(ckpt_dir) / "tokenizer.json"
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tokenizer.json.tmp-{os.getpid()}")
+    tmp.write_text(tokenizer.to_str())
+    os.replace(tmp, path)
+
+
+def _checkpoint_tokenizer(path: str, dst: Path) -> bool:
+    """Copy the tokenizer that comes with the ``--init-from`` checkpoint to ``dst``: an HF
+    folder's tokenizer.json, an mff run's tokenizer.json, or a GGUF file's tokenizer. False
+    when it has none."""
+    kind = checkpoint_kind(path)
+    if kind == "gguf":
+        from mff.ckpt.gguf import read_gguf
+
+        tok = read_gguf(path).tokenizer
+        text = tok.to_str() if tok is not None else None
+    else:
+        p = Path(path)
+        if kind == "mff":
+            step = resolve_mff_step_dir(p)
+            p = step if (step / "tokenizer.json").is_file() else step.parent
+        text = (p / "tokenizer.json").read_text() if (p / "tokenizer.json").is_file() else None
+    if text is None:
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".tokenizer.json.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, dst)
+    return True
+
+
+def _prepare_init(argv: list[str]):
+    """Pre-parse ``--init-from`` (the checkpoint decides the model config before tyro parses the
+    rest). Returns ``(base, params, tokenizer)``: ``base`` = ``(family, config)`` for
+    :func:`parse_model_args`, the weights to start from (None when ``--ckpt-dir`` already holds
+    a checkpoint: that run resumes instead), and the tokenizer.json the data must use."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--init-from", default=None)
+    pre.add_argument("--ckpt-dir", default=PretrainConfig.__dataclass_fields__["ckpt_dir"].default)
+    pre.add_argument("--data.tokenizer", dest="tokenizer", default=None)
+    pre.add_argument("-h", "--help", action="store_true")
+    known = pre.parse_known_args(list(argv))[0]
+    if known.init_from is None or known.help:
+        return None, None, None
+    tok_path = Path(known.ckpt_dir) / "tokenizer.json"
+    last = ckpt.latest_step_dir(known.ckpt_dir)
+    if last is not None:
+        meta = ckpt.read_meta(last, required=("family", "config"))
+        family = get_family(meta["family"])
+        print0(f"--init-from {known.init_from} not loaded: {known.ckpt_dir} holds a checkpoint, which this run resumes")
+        return (family.name, config_from_dict(family.config_cls, meta["config"])), None, known.tokenizer or str(tok_path)
+    model, params = load_checkpoint(known.init_from, dtype=torch.float32)
+    # every rank writes the same file (atomic replace), so no rank reads a partial one
+    if known.tokenizer is None and not _checkpoint_tokenizer(known.init_from, tok_path):
+        raise ValueError(f"--init-from {known.init_from} comes with no tokenizer (no tokenizer.json); pass "
+                         "--data.tokenizer with the tokenizer the weights were trained with")
+    return (model.family.name, model.config), params, known.tokenizer or str(tok_path)
 
 
 def _apply_init(params, loaded, where: str):
-    """Copy ``loaded`` (plain tensors) onto the placements of ``params``; shapes must match."""
+    """Copy ``loaded`` (plain tensors) onto the placements of ``params``; shapes must match and
+    every loaded tensor must be used (a --model.* override that drops layers is refused)."""
+    unused = sorted(set(loaded) - set(params))
+    if unused:
+        raise ckpt.CheckpointError(f"{where} has {len(unused)} tensors this model does not, e.g. {unused[:4]}: the --model.* "
+                                   "overrides change the architecture; drop them")
     for name, like in params.items():
         params[name] = ckpt.place_like(name, loaded.get(name), like, where)
     return params
@@ -204,6 +270,8 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     data = build_pretrain_data(cfg.data, cfg.seq_len, quiet=dist_info.rank != 0)
     if data.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}; raise --model.vocab-size")
+    if dist_info.rank == 0:
+        _save_tokenizer(cfg.ckpt_dir, data.tokenizer)
     loader = Loader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
     n_val = cfg.eval_iters or max(1, len(data.val) // cfg.batch_size)
     val_batches = _rank_slices(eval_batches(data.val, cfg.batch_size, n_val), dp_rank, dp_size) if cfg.eval_every else []
@@ -284,12 +352,11 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        pre.add_argument("--init-from", default=None)
-        init = _init_from(pre.parse_known_args(list(argv))[0].init_from)
-        base = init[:2] if init else None
+        base, init_params, tokenizer = _prepare_init(argv)
         family, size, cfg = parse_model_args(PretrainConfig, argv, prog="python -m mff.recipes.pretrain", description=__doc__, base=base)
-        return run(cfg, family, size, init[2] if init else None)
+        if tokenizer is not None and cfg.data.tokenizer is None:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
+        return run(cfg, family, size, init_params)
     except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
         return fail(e, 2)
     except (ckpt.CheckpointError, NonFiniteError, OSError) as e:

@@ -1,0 +1,209 @@
+"""Generate text from a checkpoint, streaming tokens as they come.
+
+    python -m mff.recipes.generate --ckpt PATH --prompt "..." [--max-new-tokens N --temperature T
+        --top-k K --top-p P --chat]
+
+``--ckpt`` is an HF model folder (tokenizer.json and tokenizer_config.json beside the weights),
+an mff checkpoint (the pretraining run folder holds the run's tokenizer.json) or a .gguf file
+(tokenizer and chat template from its metadata). ``--chat`` wraps the prompt in the tokenizer's
+chat template (jinja2). Decoding uses the KV cache (:func:`mff.generate.generate`); greedy by
+default (``--temperature 0``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+from tokenizers import Tokenizer
+
+from mff.backend import DeviceUnavailable, resolve_device
+from mff.ckpt.autoload import checkpoint_kind, load, resolve_mff_step_dir
+from mff.ckpt.checkpoint import CheckpointError
+from mff.ckpt.hf import config_from_hf_dict, load_hf_tensors
+from mff.data.chat import render_chat_template
+from mff.generate import generate
+from mff.recipes.common import fail
+from mff.sampling import SamplingConfig
+
+__all__ = ["GenerateConfig", "main"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Text generation from a checkpoint."""
+
+    ckpt: str
+    """An HF model folder, an mff checkpoint (run or step folder) or a .gguf file."""
+    prompt: str
+    """The prompt text (with --chat: the user message)."""
+    max_new_tokens: int = 128
+    """Most tokens to generate."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 = greedy."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with mass >= top_p (1 = off)."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top probability (0 = off)."""
+    repetition_penalty: float = 1.0
+    """Divide positive / multiply negative logits of tokens already seen (1 = off)."""
+    seed: int = 0
+    """Sampling seed."""
+    chat: bool = False
+    """Apply the tokenizer's chat template to the prompt."""
+    system: str | None = None
+    """--chat: a system message."""
+    tokenizer: str | None = None
+    """A tokenizer.json to use instead of the checkpoint's."""
+    device: str | None = None
+    """cpu, cuda, npu or auto (default: $MF_DEVICE_TYPE, else auto)."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Weights dtype (auto: as stored)."""
+    threads: int | None = None
+    """CPU threads for torch (default: torch's choice)."""
+
+
+@dataclass
+class _Text:
+    tokenizer: Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_ids: list[int]
+
+
+def _special(value) -> str | None:
+    if isinstance(value, dict):  # HF AddedToken serialisation
+        return value.get("content")
+    return value
+
+
+def _hf_text(folder: Path, hf_config: dict) -> _Text:
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise FileNotFoundError(f"{folder} has no tokenizer.json; pass --tokenizer PATH")
+    tok_cfg = {}
+    if (folder / "tokenizer_config.json").is_file():
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    template = tok_cfg.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    eos = hf_config.get("eos_token_id")
+    if (folder / "generation_config.json").is_file():
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id", eos)
+    return _Text(Tokenizer.from_file(str(tok_file)), template, _special(tok_cfg.get("bos_token")), _special(tok_cfg.get("eos_token")),
+                 _as_list(eos))
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(x)] if isinstance(x, int) else [int(i) for i in x]
+
+
+def _load(cfg: GenerateConfig, device: torch.device):
+    """``(model, params, text)`` for --ckpt."""
+    kind = checkpoint_kind(cfg.ckpt)
+    dtype = DTYPES[cfg.dtype]
+    path = Path(cfg.ckpt)
+    if kind == "gguf":
+        from mff.ckpt.gguf import read_gguf
+
+        g = read_gguf(path)
+        family, mcfg = config_from_hf_dict(g.config)
+        model, params = load_hf_tensors(g.tensors, family, mcfg, g.config, device, dtype, where=str(path))
+        if g.tokenizer is None and cfg.tokenizer is None:
+            raise ValueError(f"{path} holds no tokenizer; pass --tokenizer PATH")
+        text = _Text(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, _as_list(g.config.get("eos_token_id")))
+    elif kind == "hf":
+        model, params = load(path, device, dtype)
+        hf_config = json.loads((path / "config.json").read_text())
+        text = _hf_text(path, hf_config) if cfg.tokenizer is None else _Text(None, None, None, None, _as_list(hf_config.get("eos_token_id")))
+    else:
+        model, params = load(path, device, dtype)
+        step = resolve_mff_step_dir(path)
+        found = [p / "tokenizer.json" for p in (step, step.parent) if (p / "tokenizer.json").is_file()]
+        if not found and cfg.tokenizer is None:
+            raise FileNotFoundError(f"no tokenizer.json in {step} or {step.parent}; pass --tokenizer PATH")
+        tok = Tokenizer.from_file(str(found[0])) if found else None
+        text = _Text(tok, None, None, None, _as_list(getattr(model.config, "eos_token_id", None)))
+    if cfg.tokenizer is not None:
+        if not Path(cfg.tokenizer).is_file():
+            raise FileNotFoundError(f"--tokenizer {cfg.tokenizer} does not exist")
+        text.tokenizer = Tokenizer.from_file(cfg.tokenizer)
+    if text.eos_token is not None:
+        eid = text.tokenizer.token_to_id(text.eos_token)
+        if eid is not None and eid not in text.eos_ids:
+            text.eos_ids.append(eid)
+    return model, params, text
+
+
+def run(cfg: GenerateConfig) -> str:
+    """Generate, streaming to stdout; returns the generated text."""
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
+    sampling.validate()
+    if cfg.threads is not None:
+        if cfg.threads < 1:
+            raise ValueError(f"--threads {cfg.threads} must be >= 1")
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(resolve_device(cfg.device))
+    model, params, text = _load(cfg, device)
+    if cfg.chat:
+        if not text.chat_template:
+            raise ValueError(f"--chat: {cfg.ckpt} has no chat template (tokenizer_config.json chat_template or GGUF tokenizer.chat_template)")
+        messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": cfg.prompt}]
+        prompt = render_chat_template(text.chat_template, messages, add_generation_prompt=True,
+                                      bos_token=text.bos_token or "", eos_token=text.eos_token or "")
+        ids = text.tokenizer.encode(prompt, add_special_tokens=False).ids
+    else:
+        ids = text.tokenizer.encode(cfg.prompt).ids
+    if not ids:
+        raise ValueError("the prompt is empty (it encodes to no tokens)")
+    vocab = model.config.vocab_size
+    if max(ids) >= vocab:
+        raise ValueError(f"the tokenizer produced id {max(ids)} but the model's vocab_size is {vocab}; use the model's own tokenizer")
+    new: list[int] = []
+    shown = ""
+
+    def stream(tok: torch.Tensor) -> None:
+        nonlocal shown
+        t = int(tok[0])
+        if t in text.eos_ids:
+            return
+        new.append(t)
+        s = text.tokenizer.decode(new, skip_special_tokens=True)
+        if not s.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(s[len(shown):])
+            sys.stdout.flush()
+            shown = s
+
+    generate(model, params, torch.tensor([ids], device=device), cfg.max_new_tokens, sampling=sampling,
+             eos_token_id=text.eos_ids, seed=cfg.seed, on_token=stream)
+    final = text.tokenizer.decode(new, skip_special_tokens=True)
+    sys.stdout.write(final[len(shown):] + "\n")
+    sys.stdout.flush()
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        run(tyro.cli(GenerateConfig, args=argv, prog="python -m mff.recipes.generate", description=__doc__))
+        return 0
+    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
+        return fail(e, 2)
+    except (CheckpointError, OSError) as e:
+        return fail(e, 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""KV-cache generation: chunked prefill, the MLA latent cache, batching with left padding and
+stop ids, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import mff
+from mff.generate import generate
+from mff.sampling import SamplingConfig
+
+
+def _model(family: str):
+    model = mff.build(family)
+    cfg = dataclasses.replace(model.config, vocab_size=97, num_hidden_layers=2, max_position_embeddings=64)
+    model = mff.build(family, cfg)
+    params = {k: v.detach() for k, v in model.init(seed=0).items()}
+    with torch.no_grad():  # O(1) activations so the logits are far from uniform
+        for k, v in params.items():
+            if v.dim() >= 2:
+                v.normal_(0, v.shape[-1] ** -0.5, generator=torch.Generator().manual_seed(len(k)))
+    return model, params
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek3", "glm4_moe"])
+def test_chunked_prefill_equals_full_forward(family):
+    model, params = _model(family)
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model.forward(params, {"input_ids": ids}).logits
+        cache = model.init_cache(2, 16)
+        parts = []
+        for a, b in ((0, 5), (5, 6), (6, 8)):
+            out = model.forward(params, {"input_ids": ids[:, a:b]}, cache)
+            cache = out.cache
+            parts.append(out.logits)
+    assert full.abs().max() > 1.0
+    assert (torch.cat(parts, 1) - full).abs().max().item() <= 1e-5
+    assert cache["offset"] == 8 and cache["next_pos"].tolist() == [8, 8]
+
+
+def test_mla_cache_holds_the_latent_and_rope_key_only():
+    model, _ = _model("deepseek3")
+    cfg = model.config
+    cache = model.init_cache(1, 10)
+    assert len(cache["layers"]) == cfg.num_hidden_layers
+    per_token = sum(t[0, 0].numel() for t in cache["layers"][0].values())
+    assert per_token == cfg.kv_lora_rank + cfg.qk_rope_head_dim  # not H * (qk_head_dim + v_head_dim)
+
+
+def test_masked_rows_give_zero_not_nan():
+    from mff.nn.attention import cache_causal_mask, causal_attention
+
+    valid = torch.tensor([[False, False, True, True]])
+    mask = cache_causal_mask(valid, 0, 4)
+    q = k = v = torch.randn(1, 4, 2, 8)
+    o = causal_attention(q, k, v, 0.3, mask)
+    assert torch.isfinite(o).all() and o[0, :2].abs().max() == 0
+    # query i of 2 new queries after 3 cached slots sees keys up to 3 + i (bottom-right alignment)
+    m = cache_causal_mask(torch.ones(1, 5, dtype=torch.bool), 3, 2)[0, 0]
+    assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek3"])
+def test_batch_left_padding_and_stop(family):
+    model, params = _model(family)
+    for seed in range(100):  # prompts where row 0's third new token appears nowhere else
+        g = torch.Generator().manual_seed(seed)
+        p0, p1 = torch.randint(1, 96, (1, 5), generator=g), torch.randint(1, 96, (1, 8), generator=g)
+        alone0 = generate(model, params, p0, 6)[0, 5:]
+        alone1 = generate(model, params, p1, 6)[0, 8:]
+        stop = int(alone0[2])  # row 0 stops at its third new token
+        if stop not in alone0[:2].tolist() and stop not in alone1.tolist() and stop != 96:
+            break
+    else:
+        pytest.fail("no suitable prompts")
+    pad = 96
+    batch = torch.full((2, 8), pad)
+    batch[0, 3:] = p0[0]
+    batch[1] = p1[0]
+    mask = batch != pad
+    mask[1] = True
+    out = generate(model, params, batch, 6, attention_mask=mask, eos_token_id=stop, pad_token_id=pad)
+    assert out.shape == (2, 14)
+    assert out[0, 8:11].tolist() == alone0[:3].tolist()  # up to and including the stop token
+    assert out[0, 11:].tolist() == [pad] * 3
+    assert torch.equal(out[1, 8:], alone1)
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    model, params = _model("qwen3")
+    ids = torch.randint(0, 97, (3, 4), generator=torch.Generator().manual_seed(0))
+    cfg = SamplingConfig(temperature=0.8, top_k=1)
+    assert torch.equal(generate(model, params, ids, 5, sampling=cfg, seed=1), generate(model, params, ids, 5))  # top-1 == greedy
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9)
+    a, b = (generate(model, params, ids, 8, sampling=cfg, seed=3) for _ in range(2))
+    assert torch.equal(a, b)
+
+
+def test_model_generate_method():
+    model, params = _model("glm4")
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(params, ids, max_new_tokens=4), generate(model, params, ids, 4))
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(input_ids=torch.zeros(1, 0, dtype=torch.int64)), "prompt is empty"),
+    (dict(max_new_tokens=100), "exceeds the model's context"),
+    (dict(sampling=SamplingConfig(top_p=1.5)), "top_p=1.5"),
+    (dict(sampling=SamplingConfig(top_p=0.0)), "top_p=0.0"),
+    (dict(sampling=SamplingConfig(temperature=-1.0)), "temperature=-1.0"),
+    (dict(max_new_tokens=-1), "max_new_tokens=-1"),
+])
+def test_bad_input(kwargs, needle):
+    model, params = _model("qwen3")
+    args = dict(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=needle):
+        generate(model, params, args.pop("input_ids"), **args)
