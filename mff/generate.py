@@ -43,6 +43,7 @@ def generate(
     seed: int | None = None,
     prefill_chunk: int = 0,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Continue ``input_ids`` by up to ``max_new_tokens`` tokens per row.
 
@@ -55,6 +56,9 @@ def generate(
         seed: seeds the sampling generator (same seed, same tokens on the same device).
         prefill_chunk: prefill the prompt this many tokens at a time (0 = all at once).
         on_token: called with each step's ids int64 [B] (for streaming).
+        compile: run each decode step as one ``torch.compile``-d graph (same shapes at every
+            position, so it compiles once per model, batch size and cache length; the first
+            call pays the compile time). Mat-vecs then stream the weights in fused loops.
     Returns:
         int64 [B, T + n], n <= ``max_new_tokens`` (fewer when every row stopped early).
     Raises:
@@ -98,8 +102,14 @@ def generate(
         cache, logits = out.cache, out.logits[:, -1]
     out_ids = [input_ids]
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    one = torch.ones(B, 1, dtype=torch.bool, device=device)
+    step_fn = _compiled_step(model) if compile else _eager_step(model)
+    cache = {k: v for k, v in cache.items() if k != "offset"}  # capacity was checked above
+    stance = None
     for step in range(max_new_tokens):
+        if compile and step == 2:
+            # the graph is compiled and its guards passed twice: skip re-checking them per token
+            stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+            stance.__enter__()
         nxt = sample(logits.float(), sampling, gen, seen)
         nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         out_ids.append(nxt[:, None])
@@ -113,9 +123,31 @@ def generate(
             break
         if seen is not None:
             seen = mark_seen(seen, nxt.clamp(0, V - 1))
-        out = model.forward(params, {"input_ids": nxt[:, None], "attention_mask": one}, cache, check=False)
-        cache, logits = out.cache, out.logits[:, -1]
+        logits, cache = step_fn(params, nxt, cache)
+    if stance is not None:
+        stance.__exit__(None, None, None)
     return torch.cat(out_ids, dim=1)
+
+
+def _eager_step(model: Model):
+    def step(params, tok, cache):
+        out = model.forward(params, {"input_ids": tok[:, None]}, cache, check=False)
+        return out.logits[:, -1], out.cache
+
+    return step
+
+
+_COMPILED: dict[int, Callable] = {}
+
+
+def _compiled_step(model: Model):
+    """One decode step (forward of one token per row against the cache) as a compiled graph,
+    cached per model object."""
+    key = id(model)
+    if key not in _COMPILED:
+        _COMPILED.clear()  # one model at a time: drop graphs of models that may be gone
+        _COMPILED[key] = torch.compile(_eager_step(model), dynamic=False)
+    return _COMPILED[key]
 
 
 @torch.no_grad()

@@ -224,9 +224,11 @@ class Model:
                    device: torch.device | str = "cpu") -> dict[str, Any]:
         """An empty KV cache for generation, preallocated to ``max_len`` slots.
 
-        A pytree: ``{"offset": int (slots filled, shared by all rows), "valid": bool [B, S]
-        (slots holding real tokens; left padding is not), "next_pos": int64 [B] (each row's next
-        position id), "layers": [per-layer tensors]}``. GQA layers hold ``k``/``v`` [B, S, Hkv,
+        A pytree: ``{"offset": int (slots filled, shared by all rows; a host counter for the
+        capacity check), "pos": int64 0-d (the same, as a tensor: what the compute uses),
+        "valid": bool [B, S] (slots holding real tokens; left padding and unfilled slots are
+        not), "next_pos": int64 [B] (each row's next position id), "layers": [per-layer
+        tensors]}``. GQA layers hold ``k``/``v`` [B, S, Hkv,
         Dh]; MLA layers the latent ``c`` [B, S, kv_lora_rank] and ``k_rot`` [B, S,
         qk_rope_head_dim] only. ``forward(params, batch, cache)`` writes the new slots in place
         and returns the cache to pass to the next call in ``Output.cache``.
@@ -241,7 +243,8 @@ class Model:
             raise ValueError(f"cache length {max_len} must be in [1, max_position_embeddings={limit}]")
         layers = [{k: torch.zeros(shape, dtype=dtype, device=device) for k, shape in shapes.items()}
                   for shapes in self.skeleton.cache_shapes(batch_size, max_len)]
-        return {"offset": 0, "valid": torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
+        return {"offset": 0, "pos": torch.zeros((), dtype=torch.int64, device=device),
+                "valid": torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
                 "next_pos": torch.zeros(batch_size, dtype=torch.int64, device=device), "layers": layers}
 
     def generate(self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 from mff.model import Family, Output
 from mff.models.common import config_from_hf, config_to_hf
 from mff.nn.decoder import prepare_positions_and_mask
-from mff.nn.layers import Embedding, RMSNorm
+from mff.nn.layers import Embedding, RMSNorm, linear
 from mff.nn.loss import count_targets as _count
 from mff.nn.loss import cross_entropy_sum
 from mff.nn.mla import MLA
@@ -204,9 +204,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h_BTD, cos, sin, mask, kv=None, offset=0):
+    def forward(self, h_BTD, cos, sin, mask, kv=None, slots=None):
         """Returns ``(h [B,T,D], expert load [E] | None, balance [B] | None)``."""
-        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask, kv, offset)
+        h_BTD = h_BTD + self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask, kv, slots)
         x = self.post_attention_layernorm(h_BTD)
         if isinstance(self.mlp, MoE):
             y, load, scores, idx = self.mlp(x)
@@ -246,7 +246,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def _head(self, h_BTD: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return h_BTD @ gather(w).t()
+        return linear(h_BTD, gather(w))
 
     def cache_shapes(self, batch_size: int, max_len: int) -> list[dict[str, tuple[int, ...]]]:
         """Per main layer (MTP depths are not used in generation), the MLA latent cache shapes."""
@@ -255,7 +255,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None):
         cfg = self.config
         B, T = input_ids.shape
-        position_ids, mask, offset, new_cache = prepare_positions_and_mask(
+        position_ids, mask, slots, new_cache = prepare_positions_and_mask(
             input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
         emb_BTD = self.model.embed_tokens(input_ids)
         inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=input_ids.device)
@@ -267,7 +267,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         L = cfg.num_hidden_layers
         h = emb_BTD
         for i in range(L):
-            h, load, bal = self.model.layers[i](h, cos, sin, mask, layer_kv[i], offset)
+            h, load, bal = self.model.layers[i](h, cos, sin, mask, layer_kv[i], slots)
             if load is not None:
                 expert_load[f"model.layers.{i}.mlp"] = load.detach()
                 balance.append(bal)

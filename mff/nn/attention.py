@@ -6,7 +6,8 @@ Masks are boolean, True where query i may attend key j:
 - packed documents (``document_ids`` [B, T]): ``j <= i`` and both in the same document;
 - with a KV cache holding ``offset`` earlier slots, the causal mask is aligned bottom-right:
   query i of L_q (absolute slot ``offset + i``) sees keys ``j <= offset + i``, and only keys
-  marked valid (left padding is invalid).
+  marked valid (left padding and unfilled slots are invalid). The mask spans every slot of the
+  preallocated cache, so a decode step has the same shapes at every position (one compiled graph).
 
 A query row with no visible key (a padding position) gives 0, never NaN. Computed by
 ``F.scaled_dot_product_attention``; value and query/key head dims may differ (MLA).
@@ -28,14 +29,15 @@ def document_causal_mask(document_ids_BT: torch.Tensor) -> torch.Tensor:
     return (causal & same)[:, None]
 
 
-def cache_causal_mask(key_valid_BS: torch.Tensor, offset: int, q_len: int) -> torch.Tensor:
-    """Boolean mask [B, 1, q_len, offset + q_len] for ``q_len`` new queries after ``offset``
-    cached slots: key j visible to query i iff ``j <= offset + i`` and ``key_valid[b, j]``."""
-    S = offset + q_len
+def cache_causal_mask(key_valid_BS: torch.Tensor, offset: int | torch.Tensor, q_len: int) -> torch.Tensor:
+    """Boolean mask [B, 1, q_len, S] for ``q_len`` new queries after ``offset`` (an int or a
+    0-d tensor) filled slots of an S-slot cache: key j visible to query i iff ``j <= offset + i``
+    and ``key_valid[b, j]``."""
+    S = key_valid_BS.shape[1]
     j = torch.arange(S, device=key_valid_BS.device)
     i = torch.arange(q_len, device=key_valid_BS.device) + offset
     causal = j[None, :] <= i[:, None]  # [L, S]
-    return (causal[None] & key_valid_BS[:, None, :S])[:, None]
+    return (causal[None] & key_valid_BS[:, None, :])[:, None]
 
 
 def _repeat_heads(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -66,6 +68,17 @@ def causal_attention(
     B, T, H, _ = q_BTHD.shape
     K = k_BSKD.shape[2]
     n_rep = H // K
+    if mask_B1TS is not None and T <= 16 and torch.compiler.is_compiling():
+        # broadcast-and-sum forms the compiler fuses into loops over the cache (no copies)
+        qg = q_BTHD.reshape(B, T, K, n_rep, q_BTHD.shape[-1]).permute(0, 2, 3, 1, 4)  # [B, K, rep, T, D]
+        kk = k_BSKD.permute(0, 2, 1, 3)[:, :, None, None]  # [B, K, 1, 1, S, D]
+        scores = (qg[:, :, :, :, None, :].float() * kk.float()).sum(-1) * scale  # [B, K, rep, T, S]
+        m = mask_B1TS[:, :, None]
+        empty = ~m.any(-1, keepdim=True)
+        probs = torch.softmax(scores.masked_fill(~(m | empty), float("-inf")), dim=-1).masked_fill(empty, 0.0)
+        vv = v_BSKE.permute(0, 2, 1, 3)[:, :, None, None]  # [B, K, 1, 1, S, E]
+        o = (probs[..., None] * vv.float()).sum(-2).to(v_BSKE.dtype)  # [B, K, rep, T, E]
+        return o.permute(0, 3, 1, 2, 4).reshape(B, T, H, v_BSKE.shape[-1])
     if mask_B1TS is not None and T <= 16:
         qg = q_BTHD.reshape(B, T, K, n_rep, q_BTHD.shape[-1])
         scores = torch.einsum("btkrd,bskd->bkrts", qg, k_BSKD).float() * scale  # [B, K, rep, T, S]

@@ -24,7 +24,7 @@ from torch import nn
 
 from mff.model import Output
 from mff.nn.attention import cache_causal_mask, document_causal_mask
-from mff.nn.layers import Embedding, RMSNorm
+from mff.nn.layers import Embedding, RMSNorm, linear
 from mff.nn.loss import count_targets as _count
 from mff.nn.loss import cross_entropy_sum
 from mff.nn.moe import MoE
@@ -43,12 +43,14 @@ def prepare_positions_and_mask(input_ids, position_ids, document_ids, attention_
 
     Without a cache: positions default to ``0 .. T-1`` (or follow ``attention_mask`` for left
     padding); the mask is None (plain causal), the document mask, or causal & valid keys.
-    With a cache (see :func:`mff.nn.kv_cache.init_cache`): the new slots ``offset .. offset +
-    T - 1`` are marked valid per ``attention_mask``; each row's positions continue from its
-    ``next_pos``; the mask is aligned bottom-right over all filled slots.
+    With a cache (see :meth:`mff.model.Model.init_cache`): the new slots ``pos .. pos + T - 1``
+    are marked valid per ``attention_mask``; each row's positions continue from its
+    ``next_pos``; the mask is aligned bottom-right and spans every cache slot. All of it is
+    tensor arithmetic on ``cache["pos"]`` (no host value), so a decode step traces once.
 
-    Returns ``(position_ids [B, T], mask or None, offset, updated cache or None)``.
-    Raises ValueError when the sequence or the cache would exceed their lengths.
+    Returns ``(position_ids [B, T], mask or None, slots int64 [T] or None, updated cache or None)``.
+    Raises ValueError when the sequence or the cache would exceed their lengths (the cache check
+    uses the host counter ``cache["offset"]`` when present).
     """
     B, T = input_ids.shape
     valid = attention_mask.bool() if attention_mask is not None else None
@@ -61,18 +63,23 @@ def prepare_positions_and_mask(input_ids, position_ids, document_ids, attention_
         if valid is not None:
             pad_mask = cache_causal_mask(valid, 0, T)
             mask = pad_mask if mask is None else mask & pad_mask
-        return position_ids, mask, 0, None
-    offset = cache["offset"]
+        return position_ids, mask, None, None
     S = cache["valid"].shape[1]
-    if offset + T > S:
-        raise ValueError(f"the KV cache holds {S} slots; {offset} are filled and {T} more do not fit")
+    new_cache = dict(cache)
+    if "offset" in cache:
+        if cache["offset"] + T > S:
+            raise ValueError(f"the KV cache holds {S} slots; {cache['offset']} are filled and {T} more do not fit")
+        new_cache["offset"] = cache["offset"] + T
     step_valid = valid if valid is not None else torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-    cache["valid"][:, offset:offset + T] = step_valid
+    pos = cache["pos"]
+    slots = pos + torch.arange(T, device=input_ids.device)
+    cache["valid"].index_copy_(1, slots, step_valid)
     if position_ids is None:
         position_ids = (cache["next_pos"][:, None] + step_valid.long().cumsum(-1) - 1).clamp(min=0)
-    mask = cache_causal_mask(cache["valid"], offset, T)
-    new_cache = {**cache, "offset": offset + T, "next_pos": cache["next_pos"] + step_valid.long().sum(-1)}
-    return position_ids, mask, offset, new_cache
+    mask = cache_causal_mask(cache["valid"], pos, T)
+    new_cache["pos"] = pos + T
+    new_cache["next_pos"] = cache["next_pos"] + step_valid.long().sum(-1)
+    return position_ids, mask, slots, new_cache
 
 
 class DecoderLayer(nn.Module):
@@ -90,8 +97,8 @@ class DecoderLayer(nn.Module):
         else:
             self.post_self_attn_layernorm = self.post_mlp_layernorm = None
 
-    def forward(self, h_BTD, cos, sin, mask, kv=None, offset=0):
-        a = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask, kv, offset)
+    def forward(self, h_BTD, cos, sin, mask, kv=None, slots=None):
+        a = self.self_attn(self.input_layernorm(h_BTD), cos, sin, mask, kv, slots)
         if self.post_self_attn_layernorm is not None:
             a = self.post_self_attn_layernorm(a)
         h_BTD = h_BTD + a
@@ -148,7 +155,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None):
         cfg = self.config
         B, T = input_ids.shape
-        position_ids, mask, offset, new_cache = prepare_positions_and_mask(
+        position_ids, mask, slots, new_cache = prepare_positions_and_mask(
             input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
         h = self.model.embed_tokens(input_ids)
         inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=input_ids.device)
@@ -158,13 +165,13 @@ class CausalLM(nn.Module):
         expert_load: dict[str, torch.Tensor] = {}
         scores, indices = [], []
         for i, layer in enumerate(self.model.layers):
-            h, routing = layer(h, cos, sin, mask, layer_kv[i], offset)
+            h, routing = layer(h, cos, sin, mask, layer_kv[i], slots)
             if routing is not None:
                 expert_load[f"model.layers.{i}.mlp"] = routing[0].detach()
                 scores.append(routing[1])
                 indices.append(routing[2])
         w = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        logits = self.model.norm(h) @ gather(w).t()
+        logits = linear(self.model.norm(h), gather(w))
         out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
         if labels is None:
             return out

@@ -66,10 +66,10 @@ class GQA(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                kv: dict | None = None, offset: int = 0) -> torch.Tensor:
-        """``kv``: this layer's cache ``{"k", "v": [B, S_max, Hkv, Dh]}``; the new keys and values
-        are written at slots ``offset .. offset + T - 1`` (in place) and attention runs over slots
-        ``0 .. offset + T - 1`` with ``mask`` [B, 1, T, offset + T]."""
+                kv: dict | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """``kv``: this layer's cache ``{"k", "v": [B, S, Hkv, Dh]}``; the new keys and values are
+        written at ``slots`` (int64 [T], in place) and attention runs over all S slots with
+        ``mask`` [B, 1, T, S]."""
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x_BTD).view(B, T, self.num_kv, self.head_dim)
@@ -79,8 +79,8 @@ class GQA(nn.Module):
         q = apply_rope(q, cos, sin, layout=self.rope_layout)
         k = apply_rope(k, cos, sin, layout=self.rope_layout)
         if kv is not None:
-            kv["k"][:, offset:offset + T] = k
-            kv["v"][:, offset:offset + T] = v
-            k, v = kv["k"][:, :offset + T], kv["v"][:, :offset + T]
+            kv["k"].index_copy_(1, slots, k.to(kv["k"].dtype))
+            kv["v"].index_copy_(1, slots, v.to(kv["v"].dtype))
+            k, v = kv["k"], kv["v"]
         o = causal_attention(q, k, v, self.head_dim ** -0.5, mask)
         return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))

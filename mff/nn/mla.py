@@ -72,10 +72,10 @@ class MLA(nn.Module):
         return {"c": (batch_size, max_len, self.kv_lora_rank), "k_rot": (batch_size, max_len, self.rope)}
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                kv: dict | None = None, offset: int = 0) -> torch.Tensor:
-        """Without ``kv``: the expanded path (training). With ``kv`` (``{"c": [B, S_max, C],
-        "k_rot": [B, S_max, R]}``): writes this step's slots ``offset .. offset + T - 1`` in place
-        and attends over slots ``0 .. offset + T - 1`` in the latent space, ``mask`` [B, 1, T, offset + T]."""
+                kv: dict | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Without ``kv``: the expanded path (training). With ``kv`` (``{"c": [B, S, C],
+        "k_rot": [B, S, R]}``): writes this step's ``slots`` (int64 [T]) in place and attends over
+        all S slots in the latent space, ``mask`` [B, 1, T, S]."""
         B, T, _ = x_BTD.shape
         H = self.num_heads
         if self.q_lora_rank is None:
@@ -92,7 +92,7 @@ class MLA(nn.Module):
         q_rot = apply_rope(q_rot, cos, sin, self.rope_interleave)
         k_rot_BT1R = apply_rope(k_rot_BTR.unsqueeze(2), cos, sin, self.rope_interleave)
         if kv is not None:
-            return self._absorbed(q_nope, q_rot, c_BTC, k_rot_BT1R.squeeze(2), mask, kv, offset)
+            return self._absorbed(q_nope, q_rot, c_BTC, k_rot_BT1R.squeeze(2), mask, kv, slots)
 
         kv = self.kv_b_proj(c_BTC).view(B, T, H, self.nope + self.v_dim)
         k_nope, v_BTHV = kv.split([self.nope, self.v_dim], dim=-1)
@@ -101,11 +101,11 @@ class MLA(nn.Module):
         o_BTHV = causal_attention(q_full, k_full, v_BTHV, self.softmax_scale, mask)
         return self.o_proj(o_BTHV.reshape(B, T, H * self.v_dim))
 
-    def _absorbed(self, q_nope, q_rot, c_BTC, k_rot_BTR, mask, kv, offset):
+    def _absorbed(self, q_nope, q_rot, c_BTC, k_rot_BTR, mask, kv, slots):
         B, T, H, _ = q_nope.shape
-        kv["c"][:, offset:offset + T] = c_BTC
-        kv["k_rot"][:, offset:offset + T] = k_rot_BTR
-        c_BSC, k_rot_BSR = kv["c"][:, :offset + T], kv["k_rot"][:, :offset + T]
+        kv["c"].index_copy_(1, slots, c_BTC.to(kv["c"].dtype))
+        kv["k_rot"].index_copy_(1, slots, k_rot_BTR.to(kv["k_rot"].dtype))
+        c_BSC, k_rot_BSR = kv["c"], kv["k_rot"]
         w = gather(self.kv_b_proj.weight).view(H, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)

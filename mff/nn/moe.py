@@ -187,12 +187,18 @@ class Experts(nn.Module):
         N, D = x_ND.shape
         K = idx_NK.shape[1]
         flat = idx_NK.reshape(-1)
-        x_S1D = x_ND.repeat_interleave(K, dim=0)[:, None, :]
-        h = torch.bmm(x_S1D, gather(self.gate_up_proj)[flat].transpose(1, 2))  # [S, 1, 2I]
-        g, u = h.chunk(2, dim=-1)
-        y = torch.bmm(F.silu(g) * u, gather(self.down_proj)[flat].transpose(1, 2)).squeeze(1)  # [S, D]
+        x_SD = x_ND.repeat_interleave(K, dim=0)
+        w1, w2 = gather(self.gate_up_proj), gather(self.down_proj)
+        if torch.compiler.is_compiling():
+            # fused by the compiler into one pass over the chosen experts' rows (no gathered copy)
+            g, u = (x_SD[:, None, :] * w1[flat]).sum(-1).chunk(2, dim=-1)  # [S, I] each
+            y = ((F.silu(g) * u)[:, None, :] * w2[flat]).sum(-1)  # [S, D]
+        else:
+            g, u = torch.bmm(x_SD[:, None, :], w1[flat].transpose(1, 2)).chunk(2, dim=-1)  # [S, 1, I]
+            y = torch.bmm(F.silu(g) * u, w2[flat].transpose(1, 2)).squeeze(1)  # [S, D]
         y = (y * w_NK.reshape(-1, 1)).view(N, K, D).sum(1)
-        return y.to(x_ND.dtype), torch.bincount(flat, minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        return y.to(x_ND.dtype), counts  # scatter_add, not bincount: a fixed output shape (no graph break)
 
 
 class MoE(nn.Module):

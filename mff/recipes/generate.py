@@ -70,6 +70,8 @@ class GenerateConfig:
     """Weights dtype (auto: as stored)."""
     threads: int | None = None
     """CPU threads for torch (default: torch's choice)."""
+    compile: bool = False
+    """Compile the decode step with torch.compile (about 20 s once; then 3x faster decoding on CPU)."""
 
 
 @dataclass
@@ -187,7 +189,7 @@ def run(cfg: GenerateConfig) -> str:
             shown = s
 
     generate(model, params, torch.tensor([ids], device=device), cfg.max_new_tokens, sampling=sampling,
-             eos_token_id=text.eos_ids, seed=cfg.seed, on_token=stream)
+             eos_token_id=text.eos_ids, seed=cfg.seed, on_token=stream, compile=cfg.compile)
     final = text.tokenizer.decode(new, skip_special_tokens=True)
     sys.stdout.write(final[len(shown):] + "\n")
     sys.stdout.flush()

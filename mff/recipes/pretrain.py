@@ -226,13 +226,15 @@ def _prepare_init(argv: list[str]):
     known = pre.parse_known_args(list(argv))[0]
     if known.init_from is None or known.help:
         return None, None, None
+    checkpoint_kind(known.init_from)  # a missing or unrecognised path is an error even when resuming
     tok_path = Path(known.ckpt_dir) / "tokenizer.json"
     last = ckpt.latest_step_dir(known.ckpt_dir)
     if last is not None:
         meta = ckpt.read_meta(last, required=("family", "config"))
         family = get_family(meta["family"])
         print0(f"--init-from {known.init_from} not loaded: {known.ckpt_dir} holds a checkpoint, which this run resumes")
-        return (family.name, config_from_dict(family.config_cls, meta["config"])), None, known.tokenizer or str(tok_path)
+        tokenizer = known.tokenizer or (str(tok_path) if tok_path.is_file() else None)
+        return (family.name, config_from_dict(family.config_cls, meta["config"])), None, tokenizer
     model, params = load_checkpoint(known.init_from, dtype=torch.float32)
     # every rank writes the same file (atomic replace), so no rank reads a partial one
     if known.tokenizer is None and not _checkpoint_tokenizer(known.init_from, tok_path):
