@@ -22,10 +22,13 @@ from mff.sampling import SamplingConfig, mark_seen, sample, seen_mask_from_ids
 __all__ = ["generate", "greedy_generate"]
 
 
-def _ids(x: int | Iterable[int] | None) -> list[int]:
+def _ids(x: int | Iterable[int] | None, name: str = "eos_token_id") -> list[int]:
     if x is None:
         return []
-    return [int(x)] if isinstance(x, int) else [int(i) for i in x]
+    items = [x] if isinstance(x, int) else (list(x) if isinstance(x, (list, tuple, set)) else None)
+    if items is None or any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+        raise ValueError(f"{name}={x!r} must be an int or a list of ints")
+    return items
 
 
 @torch.no_grad()
@@ -64,7 +67,8 @@ def generate(
     Raises:
         ValueError: an empty prompt, ``max_new_tokens`` < 0, a prompt plus ``max_new_tokens``
             longer than the model's context, a row of ``attention_mask`` with no token, bad
-            sampling parameters (named), ``prefill_chunk`` < 0.
+            sampling parameters (named), ``prefill_chunk`` < 0, right padding (a row whose mask
+            ends in 0), ids outside the vocabulary, a ``pad_token_id`` outside it, a bad seed.
     """
     sampling = sampling or SamplingConfig(temperature=0.0)
     sampling.validate()
@@ -84,32 +88,38 @@ def generate(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
     attention_mask = attention_mask.bool()
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
     if not bool(attention_mask.any(-1).all()):
         raise ValueError("a row of attention_mask has no token (an empty prompt)")
-    stops = sorted(set(_ids(eos_token_id) + _ids(stop_token_ids)))
+    if not bool(attention_mask[:, -1].all()):
+        raise ValueError("a row of attention_mask ends in padding: pad prompts on the left (generation continues from the last position)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int")
+    V = model.config.vocab_size
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < V:
+        raise ValueError(f"pad_token_id={pad_token_id!r} must be an id in [0, vocab_size={V})")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**63)")
+    model._check_inputs(params, {"input_ids": input_ids, "attention_mask": attention_mask}, None)  # the whole prompt, once
+    stops = sorted(set(_ids(eos_token_id) + _ids(tuple(stop_token_ids), "stop_token_ids")))
     stop_t = torch.tensor(stops, dtype=torch.int64, device=device)
     dtype = params["model.embed_tokens.weight"].dtype
     cache = model.init_cache(B, T + max_new_tokens, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    V = model.config.vocab_size
     seen = seen_mask_from_ids(input_ids.masked_fill(~attention_mask, -1), V) if sampling.repetition_penalty != 1.0 else None
 
     chunk = prefill_chunk or T
     logits = None
     for start in range(0, T, chunk):
         batch = {"input_ids": input_ids[:, start:start + chunk], "attention_mask": attention_mask[:, start:start + chunk]}
-        out = model.forward(params, batch, cache, check=start == 0)
+        out = model.forward(params, batch, cache, check=False)
         cache, logits = out.cache, out.logits[:, -1]
     out_ids = [input_ids]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     step_fn = _compiled_step(model) if compile else _eager_step(model)
     cache = {k: v for k, v in cache.items() if k != "offset"}  # capacity was checked above
-    stance = None
     for step in range(max_new_tokens):
-        if compile and step == 2:
-            # the graph is compiled and its guards passed twice: skip re-checking them per token
-            stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-            stance.__enter__()
         nxt = sample(logits.float(), sampling, gen, seen)
         nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         out_ids.append(nxt[:, None])
@@ -123,9 +133,12 @@ def generate(
             break
         if seen is not None:
             seen = mark_seen(seen, nxt.clamp(0, V - 1))
-        logits, cache = step_fn(params, nxt, cache)
-    if stance is not None:
-        stance.__exit__(None, None, None)
+        if compile and step >= 2:
+            # compiled, and its guards passed twice: skip re-checking them for this call only
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                logits, cache = step_fn(params, nxt, cache)
+        else:
+            logits, cache = step_fn(params, nxt, cache)
     return torch.cat(out_ids, dim=1)
 
 

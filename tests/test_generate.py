@@ -113,6 +113,11 @@ def test_model_generate_method():
     (dict(sampling=SamplingConfig(top_p=0.0)), "top_p=0.0"),
     (dict(sampling=SamplingConfig(temperature=-1.0)), "temperature=-1.0"),
     (dict(max_new_tokens=-1), "max_new_tokens=-1"),
+    (dict(attention_mask=torch.tensor([[1, 1, 0]])), "pad prompts on the left"),
+    (dict(pad_token_id=-1), "pad_token_id=-1"),
+    (dict(input_ids=torch.tensor([[1, 2, 3, 97]]), prefill_chunk=2), "token id 97, outside the vocabulary"),
+    (dict(eos_token_id=2.0), "eos_token_id=2.0 must be an int"),
+    (dict(seed=2**70), "seed="),
 ])
 def test_bad_input(kwargs, needle):
     model, params = _model("qwen3")

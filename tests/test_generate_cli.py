@@ -59,6 +59,8 @@ def test_hf_folder_chat_template(run_dir, tmp_path):
     (["--prompt", "a", "--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
     (["--prompt", "a", "--temperature", "-1"], "temperature=-1.0"),
     (["--prompt", "a", "--chat"], "no chat template"),
+    (["--prompt", "a", "--system", "be brief"], "--system needs --chat"),
+    (["--prompt", "a", "--tokenizer", "README.md"], "is not a tokenizer.json"),
 ])
 def test_bad_input(run_dir, args, needle):
     r = _gen("--ckpt", run_dir, *args)

@@ -397,3 +397,29 @@ def test_index_must_match_its_shards(tmp_path, ds_folder):
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="the index maps it to"):
         SafetensorsFolder(out)
+
+
+def test_v4_config_spellings(tmp_path):
+    """The older HF spellings load the same model: num_experts, rope_theta at the top level,
+    rope_scaling instead of rope_parameters, partial_rotary_factor at the top level."""
+    hf, folder = _hf_folder(tmp_path)
+    model, params = mff.load(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert "num_local_experts" in cfg or "num_experts" in cfg
+    e = cfg.pop("num_local_experts", cfg.pop("num_experts", None))
+    theta = cfg.pop("rope_parameters")["rope_theta"]
+    cfg.update(num_experts=e, rope_theta=theta, rope_scaling=None)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    m2, _ = mff.load(folder)
+    assert m2.config == model.config
+    # DeepSeek-V3 YaRN in v4 form; GLM's partial_rotary_factor at the top level
+    from mff.ckpt.hf import config_from_hf_dict
+
+    _, ds = config_from_hf_dict({"model_type": "deepseek_v3", "rope_theta": 10000.0,
+                                 "rope_scaling": {"type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                  "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}})
+    assert ds.rope_parameters.rope_type == "yarn" and ds.rope_parameters.factor == 40.0 and ds.rope_parameters.beta_fast == 32.0
+    _, glm = config_from_hf_dict({"model_type": "glm4", "rope_theta": 500.0, "partial_rotary_factor": 0.25})
+    assert glm.rope_parameters.partial_rotary_factor == 0.25 and glm.rope_parameters.rope_theta == 500.0
+    _, llama = config_from_hf_dict({"model_type": "llama", "partial_rotary_factor": 0.25})
+    assert llama.rope_parameters.partial_rotary_factor == 1.0  # llama ignores it, as transformers does

@@ -169,7 +169,7 @@ SIZES: dict[str, DeepseekV3Config] = {
         n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=128,
         qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=4, topk_group=2,
         num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=4096,
-        rope_parameters=RopeParameters(rope_theta=10000.0), num_nextn_predict_layers=1,
+        rope_parameters=RopeParameters(rope_theta=10000.0), num_nextn_predict_layers=1, bos_token_id=None, eos_token_id=None,
     ),
     # The paper's dimensions (meta device only on CPU).
     "v3-671b": DeepseekV3Config(

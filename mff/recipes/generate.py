@@ -24,9 +24,10 @@ from tokenizers import Tokenizer
 
 from mff.backend import DeviceUnavailable, resolve_device
 from mff.ckpt.autoload import checkpoint_kind, load, resolve_mff_step_dir
-from mff.ckpt.checkpoint import CheckpointError
+from mff.ckpt.checkpoint import CheckpointError, read_meta
 from mff.ckpt.hf import config_from_hf_dict, load_hf_tensors
 from mff.data.chat import render_chat_template
+from mff.data.tokenizer import find_eod_id
 from mff.generate import generate
 from mff.recipes.common import fail
 from mff.sampling import SamplingConfig
@@ -102,8 +103,17 @@ def _hf_text(folder: Path, hf_config: dict) -> _Text:
     eos = hf_config.get("eos_token_id")
     if (folder / "generation_config.json").is_file():
         eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id", eos)
-    return _Text(Tokenizer.from_file(str(tok_file)), template, _special(tok_cfg.get("bos_token")), _special(tok_cfg.get("eos_token")),
+    return _Text(_read_tokenizer(tok_file), template, _special(tok_cfg.get("bos_token")), _special(tok_cfg.get("eos_token")),
                  _as_list(eos))
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file {path} does not exist or is not a file")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer.json the tokenizers library can read: {e}") from None
 
 
 def _as_list(x) -> list[int]:
@@ -129,19 +139,27 @@ def _load(cfg: GenerateConfig, device: torch.device):
     elif kind == "hf":
         model, params = load(path, device, dtype)
         hf_config = json.loads((path / "config.json").read_text())
-        text = _hf_text(path, hf_config) if cfg.tokenizer is None else _Text(None, None, None, None, _as_list(hf_config.get("eos_token_id")))
+        if (path / "tokenizer.json").is_file() or cfg.tokenizer is None:
+            text = _hf_text(path, hf_config)
+        else:
+            text = _Text(None, None, None, None, _as_list(hf_config.get("eos_token_id")))
     else:
         model, params = load(path, device, dtype)
         step = resolve_mff_step_dir(path)
         found = [p / "tokenizer.json" for p in (step, step.parent) if (p / "tokenizer.json").is_file()]
         if not found and cfg.tokenizer is None:
             raise FileNotFoundError(f"no tokenizer.json in {step} or {step.parent}; pass --tokenizer PATH")
-        tok = Tokenizer.from_file(str(found[0])) if found else None
-        text = _Text(tok, None, None, None, _as_list(getattr(model.config, "eos_token_id", None)))
+        tok = _read_tokenizer(found[0]) if found else None
+        # an mff run stops at its data's end-of-document token (not at a config id meant for another tokenizer)
+        eod = ((read_meta(step).get("run") or {}).get("data") or {}).get("eod_token")
+        text = _Text(tok, None, None, None, [])
+        if tok is not None:
+            try:
+                text.eos_ids = [find_eod_id(tok, eod)]
+            except ValueError:
+                pass
     if cfg.tokenizer is not None:
-        if not Path(cfg.tokenizer).is_file():
-            raise FileNotFoundError(f"--tokenizer {cfg.tokenizer} does not exist")
-        text.tokenizer = Tokenizer.from_file(cfg.tokenizer)
+        text.tokenizer = _read_tokenizer(Path(cfg.tokenizer))
     if text.eos_token is not None:
         eid = text.tokenizer.token_to_id(text.eos_token)
         if eid is not None and eid not in text.eos_ids:
@@ -153,6 +171,10 @@ def run(cfg: GenerateConfig) -> str:
     """Generate, streaming to stdout; returns the generated text."""
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
     sampling.validate()
+    if cfg.system is not None and not cfg.chat:
+        raise ValueError("--system needs --chat (it is a chat-template message)")
+    if not 0 <= cfg.seed < 2**63:
+        raise ValueError(f"--seed {cfg.seed} must be in [0, 2**63)")
     if cfg.threads is not None:
         if cfg.threads < 1:
             raise ValueError(f"--threads {cfg.threads} must be >= 1")
@@ -161,7 +183,8 @@ def run(cfg: GenerateConfig) -> str:
     model, params, text = _load(cfg, device)
     if cfg.chat:
         if not text.chat_template:
-            raise ValueError(f"--chat: {cfg.ckpt} has no chat template (tokenizer_config.json chat_template or GGUF tokenizer.chat_template)")
+            raise ValueError(f"--chat: {cfg.ckpt} has no chat template (tokenizer_config.json chat_template, chat_template.jinja "
+                             "or GGUF tokenizer.chat_template)")
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": cfg.prompt}]
         prompt = render_chat_template(text.chat_template, messages, add_generation_prompt=True,
                                       bos_token=text.bos_token or "", eos_token=text.eos_token or "")
@@ -201,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(tyro.cli(GenerateConfig, args=argv, prog="python -m mff.recipes.generate", description=__doc__))
         return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
         return fail(e, 2)
     except (CheckpointError, OSError) as e:
