@@ -17,16 +17,20 @@ from mff.nn.loss import count_targets as _count
 from mff.nn.rope import RopeParameters
 
 __all__ = [
-    "gqa_init_table", "GQA_SHARDING_TABLE", "gqa_param_counts", "gqa_train_flops_per_token", "lm_count_targets",
+    "gqa_init_table", "scaled_init_table", "GQA_SHARDING_TABLE", "gqa_param_counts", "gqa_train_flops_per_token", "lm_count_targets",
     "lm_balance_count_targets", "config_from_hf", "config_to_hf", "rope_to_hf", "config_from_dict",
 ]
 
 
 def gqa_init_table(cfg: Any) -> list[tuple[str, tuple]]:
-    """Norms 1, biases and expert bias 0, residual output projections N(0, (r / sqrt(2 L))^2)
-    (GPT-2's scaled init), the rest N(0, r^2) with r = ``initializer_range``."""
-    std = cfg.initializer_range
-    out_std = std / math.sqrt(2 * cfg.num_hidden_layers)
+    """:func:`scaled_init_table` over the model's ``num_hidden_layers``."""
+    return scaled_init_table(cfg.initializer_range, cfg.num_hidden_layers)
+
+
+def scaled_init_table(std: float, num_layers: int) -> list[tuple[str, tuple]]:
+    """Norms 1, biases and expert bias 0, residual output projections N(0, (std / sqrt(2 L))^2)
+    with L = ``num_layers`` (GPT-2's scaled init), the rest N(0, std^2)."""
+    out_std = std / math.sqrt(2 * num_layers)
     return [
         ("**.e_score_correction_bias", ("zeros",)),
         ("**.*norm.weight", ("ones",)),

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mff.model import Family, Output
-from mff.models.common import config_from_hf, config_to_hf
+from mff.models.common import config_from_hf, config_to_hf, scaled_init_table
 from mff.nn.decoder import prepare_positions_and_mask
 from mff.nn.layers import Embedding, RMSNorm, linear
 from mff.nn.loss import count_targets as _count
@@ -301,19 +301,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
 
 def init_table(cfg: DeepseekV3Config) -> list[tuple[str, tuple]]:
-    """Init per path pattern (first match wins): norms 1, expert bias and biases 0, residual
-    output projections N(0, (0.02 / sqrt(2 L))^2) (GPT-2's scaled init), the rest N(0, 0.02^2)."""
-    std = cfg.initializer_range
-    out_std = std / math.sqrt(2 * (cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
-    return [
-        ("**.e_score_correction_bias", ("zeros",)),
-        ("**.*norm.weight", ("ones",)),
-        ("**.bias", ("zeros",)),
-        ("**.o_proj.weight", ("normal", out_std)),
-        ("**.down_proj.weight", ("normal", out_std)),
-        ("**.experts.down_proj", ("normal", out_std)),
-        ("**", ("normal", std)),
-    ]
+    """:func:`mff.models.common.scaled_init_table` with L = main layers + MTP depths: norms 1,
+    expert bias and biases 0, residual output projections N(0, (0.02 / sqrt(2 L))^2), the rest
+    N(0, 0.02^2)."""
+    return scaled_init_table(cfg.initializer_range, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
 SHARDING_TABLE = [
