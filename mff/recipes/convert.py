@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from mff.ckpt.autoload import checkpoint_kind, load, resolve_mff_step_dir
 from mff.ckpt.checkpoint import CheckpointError, save_weights
-from mff.ckpt.hf import save_hf
+from mff.ckpt.hf import config_from_hf_dict, load_hf_tensors, save_hf
 from mff.ckpt.safetensors_io import parse_size
 from mff.recipes.common import config_to_dict, fail
 
@@ -62,12 +62,10 @@ class ConvertConfig:
     """--to hf: largest shard file, in bytes or with a unit (5GB, 500MB)."""
 
 
-def _tokenizer_files(src: str, kind: str) -> dict[str, str]:
-    """The tokenizer files that go with the source (name -> text)."""
+def _tokenizer_files(src: str, kind: str, g=None) -> dict[str, str]:
+    """The tokenizer files that go with the source (name -> text); ``g``: the source's
+    :class:`mff.ckpt.gguf.GGUFCheckpoint` when it is a GGUF file."""
     if kind == "gguf":
-        from mff.ckpt.gguf import read_gguf
-
-        g = read_gguf(src)
         if g.tokenizer is None:
             return {}
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": g.bos_token, "eos_token": g.eos_token,
@@ -126,8 +124,17 @@ def convert(cfg: ConvertConfig) -> Path:
     parse_size(cfg.max_shard_size)
     kind = checkpoint_kind(cfg.src)
     _remove_stale_tmp(dst.absolute())
-    model, params = load(cfg.src, dtype=DTYPES[cfg.dtype])
-    extra = _tokenizer_files(cfg.src, kind)
+    if kind == "gguf":  # one read gives the weights and the tokenizer
+        from mff.ckpt.gguf import read_gguf
+
+        g = read_gguf(cfg.src)
+        family, mcfg = config_from_hf_dict(g.config)
+        model, params = load_hf_tensors(g.tensors, family, mcfg, g.config, "cpu", DTYPES[cfg.dtype], where=str(cfg.src))
+        extra = _tokenizer_files(cfg.src, kind, g)
+        del g
+    else:
+        model, params = load(cfg.src, dtype=DTYPES[cfg.dtype])
+        extra = _tokenizer_files(cfg.src, kind)
     total = sum(t.numel() * t.element_size() for t in params.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {cfg.to}", file=sys.stderr) as bar:
         if cfg.to == "hf":
