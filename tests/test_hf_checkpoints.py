@@ -423,3 +423,10 @@ def test_v4_config_spellings(tmp_path):
     assert glm.rope_parameters.partial_rotary_factor == 0.25 and glm.rope_parameters.rope_theta == 500.0
     _, llama = config_from_hf_dict({"model_type": "llama", "partial_rotary_factor": 0.25})
     assert llama.rope_parameters.partial_rotary_factor == 1.0  # llama ignores it, as transformers does
+
+
+def test_scale_beside_a_non_fp8_weight_is_refused(ds_folder):
+    _, _, folder = ds_folder
+    _rewrite(folder, change={"model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)})
+    with pytest.raises(ValueError, match="o_proj.weight_scale_inv' scales .* not FP8"):
+        mff.load(folder)

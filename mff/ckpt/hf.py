@@ -270,6 +270,9 @@ def load_hf_tensors(
                 dequantised = True
             elif not t.is_floating_point():
                 raise HFCheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}; expected a floating-point tensor")
+            elif name + "_scale_inv" in available:
+                raise HFCheckpointError(f"{where}: {name + '_scale_inv'!r} scales {name!r}, which is stored as {t.dtype}, "
+                                        "not FP8; the checkpoint is inconsistent")
             if path not in params:
                 params[path] = torch.empty(shapes[path], dtype=param_dtype(path, t.dtype, dequantised), device=device)
             target = params[path] if view is None else view(params[path])
