@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mff.nn.gqa import GQA, repeat_kv
+from mff.nn.attention import repeat_kv
+from mff.nn.gqa import GQA
 from mff.nn.layers import RMSNorm
 
 

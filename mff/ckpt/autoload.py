@@ -19,7 +19,7 @@ from mff.model import Model
 from mff.models import get_family
 from mff.models.common import config_from_dict
 
-__all__ = ["load", "load_mff", "resolve_mff_step_dir", "checkpoint_kind"]
+__all__ = ["load", "load_mff", "load_gguf", "resolve_mff_step_dir", "checkpoint_kind", "tokenizer_folder"]
 
 
 def checkpoint_kind(path: str | os.PathLike) -> str:
@@ -87,8 +87,30 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: tor
         return load_hf(path, device, dtype)
     if kind == "mff":
         return load_mff(path, device, dtype)
+    model, params, _ = load_gguf(path, device, dtype, with_tokenizer=False)
+    return model, params
+
+
+def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32,
+              with_tokenizer: bool = True):
+    """``(model, params, gguf)`` from a .gguf file in one read: ``gguf`` is the
+    :class:`mff.ckpt.gguf.GGUFCheckpoint` (config, tokenizer, chat template) for callers that
+    also need the tokenizer. Errors as :func:`load`."""
     from mff.ckpt.gguf import read_gguf
 
-    g = read_gguf(path, with_tokenizer=False)
+    g = read_gguf(path, with_tokenizer=with_tokenizer)
     family, cfg = config_from_hf_dict(g.config)
-    return load_hf_tensors(g.tensors, family, cfg, g.config, device, dtype, where=str(path))
+    model, params = load_hf_tensors(g.tensors, family, cfg, g.config, device, dtype, where=str(path))
+    g.tensors = {}  # the params hold the weights now
+    return model, params, g
+
+
+def tokenizer_folder(path: str | os.PathLike) -> Path:
+    """The folder holding a checkpoint's tokenizer files: an HF folder itself; for an mff
+    checkpoint the step folder when it has a tokenizer.json, else the run folder (where
+    pretraining keeps it)."""
+    p = Path(path)
+    if checkpoint_kind(p) != "mff":
+        return p
+    step = resolve_mff_step_dir(p)
+    return step if (step / "tokenizer.json").is_file() else step.parent

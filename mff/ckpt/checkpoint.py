@@ -177,9 +177,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_stale_tmp(root: Path) -> None:
-    """Delete ``.tmp-step_*-PID`` dirs left by writers that died (their PID is gone)."""
-    for p in root.glob(".tmp-step_*-*"):
+def remove_stale_tmp(root: Path, pattern: str = ".tmp-step_*-*") -> None:
+    """Delete ``root/<pattern>`` dirs (named ``...-PID``) left by writers that died (their PID is gone)."""
+    for p in root.glob(pattern):
         pid = p.name.rsplit("-", 1)[-1]
         if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
@@ -208,7 +208,7 @@ def save(
     optim_t = {k: _full_cpu(v) for k, v in flatten_with_paths(dict(optim_state)) if isinstance(v, torch.Tensor)}
     if _is_rank0():
         root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(root)
+        remove_stale_tmp(root)
         if final.exists():
             if _latest_name(root) == final.name or not final.is_dir():
                 raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")

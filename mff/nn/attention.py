@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention"]
+__all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention", "repeat_kv"]
 
 
 def document_causal_mask(document_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -40,7 +40,9 @@ def cache_causal_mask(key_valid_BS: torch.Tensor, offset: int | torch.Tensor, q_
     return (causal[None] & key_valid_BS[:, None, :])[:, None]
 
 
-def _repeat_heads(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv(x_BSKD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, Hkv * n_rep, D], KV head j serving query heads
+    ``j * n_rep .. (j + 1) * n_rep - 1`` (HF ``repeat_kv``)."""
     if n_rep == 1:
         return x_BSKD
     B, S, K, D = x_BSKD.shape
@@ -88,8 +90,8 @@ def causal_attention(
         o = torch.einsum("bkrts,bske->btkre", probs.to(v_BSKE.dtype), v_BSKE)
         return o.reshape(B, T, H, v_BSKE.shape[-1])
     q = q_BTHD.transpose(1, 2)
-    k = _repeat_heads(k_BSKD, n_rep).transpose(1, 2)
-    v = _repeat_heads(v_BSKE, n_rep).transpose(1, 2)
+    k = repeat_kv(k_BSKD, n_rep).transpose(1, 2)
+    v = repeat_kv(v_BSKE, n_rep).transpose(1, 2)
     if mask_B1TS is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return o.transpose(1, 2)

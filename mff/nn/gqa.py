@@ -4,7 +4,7 @@ Llama, Qwen2/3 and GLM-4 families need: q/k/v (and o) biases, per-head q/k RMSNo
 
 Param names are HF transformers': ``q_proj`` [H*Dh, D], ``k_proj`` / ``v_proj`` [Hkv*Dh, D],
 ``o_proj`` [D, H*Dh], optional ``q_norm`` / ``k_norm`` [Dh]. Query head h reads KV head
-``h // (H / Hkv)`` (HF ``repeat_kv``). Softmax scale ``Dh ** -0.5``.
+``h // (H / Hkv)`` (HF ``repeat_kv``; :func:`mff.nn.attention.repeat_kv`). Softmax scale ``Dh ** -0.5``.
 
 Shape legend: B batch, T sequence, D hidden, H query heads, Hkv KV heads, Dh head_dim,
 R rotary dims (<= Dh).
@@ -19,16 +19,7 @@ from mff.nn.attention import causal_attention
 from mff.nn.layers import Linear, RMSNorm
 from mff.nn.rope import apply_rope
 
-__all__ = ["GQA", "repeat_kv"]
-
-
-def repeat_kv(x_BTKD: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """[B, T, Hkv, Dh] -> [B, T, Hkv * n_rep, Dh], KV head j serving query heads
-    ``j * n_rep .. (j + 1) * n_rep - 1`` (HF ``repeat_kv``)."""
-    if n_rep == 1:
-        return x_BTKD
-    B, T, K, Dh = x_BTKD.shape
-    return x_BTKD[:, :, :, None, :].expand(B, T, K, n_rep, Dh).reshape(B, T, K * n_rep, Dh)
+__all__ = ["GQA"]
 
 
 class GQA(nn.Module):

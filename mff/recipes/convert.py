@@ -32,9 +32,9 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from mff.ckpt.autoload import checkpoint_kind, load, resolve_mff_step_dir
-from mff.ckpt.checkpoint import CheckpointError, save_weights
-from mff.ckpt.hf import config_from_hf_dict, load_hf_tensors, save_hf
+from mff.ckpt.autoload import checkpoint_kind, load, load_gguf, tokenizer_folder
+from mff.ckpt.checkpoint import CheckpointError, remove_stale_tmp, save_weights
+from mff.ckpt.hf import save_hf
 from mff.ckpt.safetensors_io import parse_size
 from mff.recipes.common import config_to_dict, fail
 
@@ -73,10 +73,7 @@ def _tokenizer_files(src: str, kind: str, g=None) -> dict[str, str]:
         if g.chat_template:
             tok_cfg["chat_template"] = g.chat_template
         return {"tokenizer.json": g.tokenizer.to_str(), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
-    folder = Path(src)
-    if kind == "mff":
-        step = resolve_mff_step_dir(folder)
-        folder = step if (step / "tokenizer.json").is_file() else step.parent
+    folder = tokenizer_folder(src)
     out = {}
     for name in TOKENIZER_FILES:
         f = folder / name
@@ -86,21 +83,6 @@ def _tokenizer_files(src: str, kind: str, g=None) -> dict[str, str]:
             except UnicodeDecodeError:  # a binary sentencepiece model: skipped (tokenizer.json covers fast tokenizers)
                 continue
     return out
-
-
-def _remove_stale_tmp(dst: Path) -> None:
-    """Remove temp folders of conversions into ``dst`` whose process is gone."""
-    for tmp in dst.parent.glob(f".tmp-{dst.name}-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit():
-            try:
-                os.kill(int(pid), 0)
-                continue  # still running
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def convert(cfg: ConvertConfig) -> Path:
@@ -123,15 +105,10 @@ def convert(cfg: ConvertConfig) -> Path:
         raise PermissionError(f"--dst {dst}: cannot write in {parent}")
     parse_size(cfg.max_shard_size)
     kind = checkpoint_kind(cfg.src)
-    _remove_stale_tmp(dst.absolute())
+    remove_stale_tmp(dst.absolute().parent, f".tmp-{dst.name}-*")  # temp folders of killed conversions into --dst
     if kind == "gguf":  # one read gives the weights and the tokenizer
-        from mff.ckpt.gguf import read_gguf
-
-        g = read_gguf(cfg.src)
-        family, mcfg = config_from_hf_dict(g.config)
-        model, params = load_hf_tensors(g.tensors, family, mcfg, g.config, "cpu", DTYPES[cfg.dtype], where=str(cfg.src))
+        model, params, g = load_gguf(cfg.src, dtype=DTYPES[cfg.dtype])
         extra = _tokenizer_files(cfg.src, kind, g)
-        del g
     else:
         model, params = load(cfg.src, dtype=DTYPES[cfg.dtype])
         extra = _tokenizer_files(cfg.src, kind)

@@ -23,9 +23,8 @@ import tyro
 from tokenizers import Tokenizer
 
 from mff.backend import DeviceUnavailable, resolve_device
-from mff.ckpt.autoload import checkpoint_kind, load, resolve_mff_step_dir
+from mff.ckpt.autoload import checkpoint_kind, load, load_gguf, resolve_mff_step_dir, tokenizer_folder
 from mff.ckpt.checkpoint import CheckpointError, read_meta
-from mff.ckpt.hf import config_from_hf_dict, load_hf_tensors
 from mff.data.chat import render_chat_template
 from mff.data.tokenizer import find_eod_id
 from mff.generate import generate
@@ -128,11 +127,7 @@ def _load(cfg: GenerateConfig, device: torch.device):
     dtype = DTYPES[cfg.dtype]
     path = Path(cfg.ckpt)
     if kind == "gguf":
-        from mff.ckpt.gguf import read_gguf
-
-        g = read_gguf(path)
-        family, mcfg = config_from_hf_dict(g.config)
-        model, params = load_hf_tensors(g.tensors, family, mcfg, g.config, device, dtype, where=str(path))
+        model, params, g = load_gguf(path, device, dtype)
         if g.tokenizer is None and cfg.tokenizer is None:
             raise ValueError(f"{path} holds no tokenizer; pass --tokenizer PATH")
         text = _Text(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, _as_list(g.config.get("eos_token_id")))
@@ -146,10 +141,10 @@ def _load(cfg: GenerateConfig, device: torch.device):
     else:
         model, params = load(path, device, dtype)
         step = resolve_mff_step_dir(path)
-        found = [p / "tokenizer.json" for p in (step, step.parent) if (p / "tokenizer.json").is_file()]
-        if not found and cfg.tokenizer is None:
+        tok_file = tokenizer_folder(path) / "tokenizer.json"
+        if not tok_file.is_file() and cfg.tokenizer is None:
             raise FileNotFoundError(f"no tokenizer.json in {step} or {step.parent}; pass --tokenizer PATH")
-        tok = _read_tokenizer(found[0]) if found else None
+        tok = _read_tokenizer(tok_file) if tok_file.is_file() else None
         # an mff run stops at its data's end-of-document token (not at a config id meant for another tokenizer)
         eod = ((read_meta(step).get("run") or {}).get("data") or {}).get("eod_token")
         text = _Text(tok, None, None, None, [])

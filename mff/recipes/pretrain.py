@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mff import ckpt
 from mff.backend import DeviceUnavailable, init_distributed, resolve_device
-from mff.ckpt.autoload import checkpoint_kind, resolve_mff_step_dir
+from mff.ckpt.autoload import checkpoint_kind, tokenizer_folder
 from mff.ckpt.autoload import load as load_checkpoint
 from mff.data import (
     DataConfig,
@@ -180,11 +180,14 @@ def _save_tokenizer(ckpt_dir: str, tokenizer) -> None:
     """Keep the run's tokenizer as ``CKPT_DIR/tokenizer.json`` (for ``mff.recipes.generate``),
     written once, atomically."""
     path = Path(ckpt_dir) / "tokenizer.json"
-    if path.exists():
-        return
+    if not path.exists():
+        _write_text_atomic(path, tokenizer.to_str())
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tokenizer.json.tmp-{os.getpid()}")
-    tmp.write_text(tokenizer.to_str())
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -192,24 +195,17 @@ def _checkpoint_tokenizer(path: str, dst: Path) -> bool:
     """Copy the tokenizer that comes with the ``--init-from`` checkpoint to ``dst``: an HF
     folder's tokenizer.json, an mff run's tokenizer.json, or a GGUF file's tokenizer. False
     when it has none."""
-    kind = checkpoint_kind(path)
-    if kind == "gguf":
+    if checkpoint_kind(path) == "gguf":
         from mff.ckpt.gguf import read_gguf
 
         tok = read_gguf(path).tokenizer
         text = tok.to_str() if tok is not None else None
     else:
-        p = Path(path)
-        if kind == "mff":
-            step = resolve_mff_step_dir(p)
-            p = step if (step / "tokenizer.json").is_file() else step.parent
-        text = (p / "tokenizer.json").read_text() if (p / "tokenizer.json").is_file() else None
+        src = tokenizer_folder(path) / "tokenizer.json"
+        text = src.read_text() if src.is_file() else None
     if text is None:
         return False
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".tokenizer.json.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, dst)
+    _write_text_atomic(dst, text)
     return True
 
 
