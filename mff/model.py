@@ -10,6 +10,7 @@ the step function applies the expert-bias update.
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mff.nn.blocks import BlockExecution
 from mff.parallel.sharding import DEFAULT_AXIS_MAP, ShardingTable, shard_params
 from mff.tree import first_match, matches
 
@@ -32,14 +34,15 @@ InitSpec = tuple  # ("normal", std) | ("ones",) | ("zeros",)
 class Output:
     """What ``forward`` returns.
 
-    - ``logits``: [B, T, V] in the compute dtype.
+    - ``logits``: [B, T, V] in the compute dtype; None when ``forward(..., logits=False)`` was
+      asked for the losses only (training: the loss then never materialises the logits).
     - ``losses``: named terms, each already weighted (``lm``, ``balance``, ``mtp``), present
       when labels are given; their sum is the training loss.
     - ``expert_load``: MoE layer path -> int64 [E] token slots routed to each expert.
     - ``cache``: the updated KV cache when one was passed (generation).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     expert_load: dict[str, torch.Tensor] = field(default_factory=dict)
     cache: Any = None
@@ -94,7 +97,7 @@ def _fill(shape: torch.Size, spec: InitSpec, gen: torch.Generator) -> torch.Tens
 class Model:
     """A family + config + meta skeleton, exposing pure functions over param pytrees."""
 
-    def __init__(self, family: Family, config: Any):
+    def __init__(self, family: Family, config: Any, execution: BlockExecution | None = None):
         if not isinstance(config, family.config_cls):
             raise TypeError(f"{family.name} needs a {family.config_cls.__name__}, got {type(config).__name__}")
         if hasattr(config, "validate"):
@@ -103,12 +106,26 @@ class Model:
         self.config = config
         with torch.device("meta"):
             self.skeleton = family.skeleton(config)
+        self.execution = execution or BlockExecution()
+        self.skeleton.execution = self.execution
+        # a skeleton written without the option (research code) always returns its logits
+        self._takes_return_logits = "return_logits" in inspect.signature(self.skeleton.forward).parameters
         self._shapes = {name: p.shape for name, p in self.skeleton.named_parameters()}
         if list(self.skeleton.buffers()):
             raise AssertionError(f"{family.name} skeleton holds buffers; skeletons must be buffer-free")
 
     def __repr__(self) -> str:
         return f"Model({self.family.name}, {self.config})"
+
+    def with_execution(self, ac: str = "none", compile: bool = False) -> Model:
+        """The same model with its blocks run under activation checkpointing (``ac``: none,
+        full or selective) and/or ``torch.compile`` (see :mod:`mff.nn.blocks`). Params and
+        numerics are unchanged; a new skeleton is built (on the meta device, no storage).
+
+        Raises:
+            ValueError: an unknown ``ac`` mode.
+        """
+        return Model(self.family, self.config, BlockExecution(ac=ac, compile=bool(compile)))
 
     # ---- structure -------------------------------------------------------------------
     def param_shapes(self) -> dict[str, torch.Size]:
@@ -261,6 +278,7 @@ class Model:
         *,
         target_counts: Mapping[str, torch.Tensor] | None = None,
         check: bool = True,
+        logits: bool = True,
     ) -> Output:
         """Run the model on ``batch`` with ``params``.
 
@@ -278,6 +296,9 @@ class Model:
                 each term is a mean over this batch.
             check: validate the inputs (one host sync for the id and position ranges); the
                 decode loop turns it off after checking the prompt.
+            logits: False skips ``Output.logits`` when labels are given (None then): the loss
+                terms are computed chunk by chunk from the hidden states
+                (:func:`mff.nn.loss.linear_cross_entropy_sum`), so no [B, T, V] tensor exists.
         Returns:
             :class:`Output`.
         Raises:
@@ -292,6 +313,8 @@ class Model:
             self._check_inputs(params, batch, target_counts)
         kwargs = dict(batch)
         kwargs["target_counts"] = target_counts
+        if self._takes_return_logits:
+            kwargs["return_logits"] = logits
         if cache is not None:
             kwargs["cache"] = cache
         return torch.func.functional_call(self.skeleton, dict(params), args=(), kwargs=kwargs, strict=True)

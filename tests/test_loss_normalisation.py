@@ -12,7 +12,7 @@ from torch import nn
 
 from mff.model import Family, Model, Output
 from mff.nn.loss import count_targets, cross_entropy_sum
-from mff.optim import AdamWConfig, adamw
+from mff.optim import OptimConfig, adamw
 from mff.parallel.gather import gather
 from mff.train.step import train_step
 
@@ -56,7 +56,7 @@ def test_two_microbatches_weigh_tokens_equally():
     assert model.forward(params, one_target).losses["lm"].item() == pytest.approx(4.0, abs=1e-6)
     assert model.forward(params, three_targets).losses["lm"].item() == pytest.approx(0.0, abs=1e-6)
     state = adamw.init(params)
-    stats = train_step(model, params, state, [one_target, three_targets], lr=0.0, optim=AdamWConfig(max_grad_norm=0.0))
+    stats = train_step(model, params, state, [one_target, three_targets], lr=0.0, optim=OptimConfig(max_grad_norm=0.0))
     assert stats.loss == pytest.approx(1.0, abs=1e-6)  # (4 + 0 + 0 + 0) / 4, not (4 + 0) / 2
 
 
@@ -67,7 +67,7 @@ def test_microbatch_without_targets_contributes_nothing():
     out = model.forward(params, empty)
     assert out.losses["lm"].item() == 0.0
     full = {"input_ids": torch.tensor([[0, 1]]), "labels": torch.tensor([[1, 0]])}
-    stats = train_step(model, params, adamw.init(params), [empty, full], lr=0.0, optim=AdamWConfig(max_grad_norm=0.0))
+    stats = train_step(model, params, adamw.init(params), [empty, full], lr=0.0, optim=OptimConfig(max_grad_norm=0.0))
     assert stats.loss == pytest.approx(math.log(2), abs=1e-6)
 
 

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from mff.optim import AdamWConfig, adamw, clip_grads_, warmup_cosine
+from mff.optim import OptimConfig, adamw, clip_grads_, warmup_cosine
 
 
 def test_adamw_matches_torch_over_10_steps():
     g = torch.Generator().manual_seed(0)
     init = {"model.embed_tokens.weight": torch.randn(6, 4, generator=g), "a.weight": torch.randn(5, 3, generator=g), "a.norm.weight": torch.randn(3, generator=g)}
-    cfg = AdamWConfig(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    cfg = OptimConfig(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
     ours = {k: v.clone().requires_grad_(True) for k, v in init.items()}
     ref = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
     opt = torch.optim.AdamW(

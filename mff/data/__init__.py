@@ -1,10 +1,14 @@
-"""Pretraining data: corpus discovery and split, tokenizers, cached token streams, packing, loaders.
+"""Pretraining data: corpus discovery and split, tokenizers, cached token streams, packing,
+loaders; Megatron indexed datasets, GPT samples and blending.
 
-Entry point: `build_pretrain_data(DataConfig(...), seq_len)` -> `PretrainData` with the
-tokenizer and packed train/val windows; `Loader` turns windows into deterministic, resumable,
-data-parallel batches.
+Raw text: `build_pretrain_data(DataConfig(...), seq_len)` -> `PretrainData` with the tokenizer
+and packed train/val windows; `Loader` turns windows into deterministic, resumable,
+data-parallel batches. Megatron data: `IndexedDataset` / `IndexedDatasetBuilder` (.bin/.idx),
+`build_gpt_datasets` / `build_blended_gpt_datasets` (Megatron's samples), and
+`build_megatron_data` + `SampleLoader` for pretraining.
 """
 
+from .blend import Blend, BlendedDataset, build_blended_gpt_datasets, build_blending_indices, parse_blend
 from .config import DataConfig, resolve_cache_dir
 from .corpus import (
     Document,
@@ -15,10 +19,14 @@ from .corpus import (
     split_documents,
     stdlib_root,
 )
+from .gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets
+from .indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from .loader import Loader, eval_batches, split_microbatches
+from .megatron_source import MegatronData, SampleLoader, as_blend, build_megatron_data
 from .packing import PackedTokens, document_ids, windows_to_examples
 from .pretrain import PretrainData, build_pretrain_data
 from .stats import unigram_entropy
+from .tiktoken_bpe import TiktokenEncoder, is_tiktoken_file, load_tiktoken
 from .tokenizer import (
     EOD_CANDIDATES,
     encode_documents,
@@ -29,6 +37,24 @@ from .tokenizer import (
 )
 
 __all__ = [
+    "Blend",
+    "BlendedDataset",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "MegatronData",
+    "SampleLoader",
+    "TiktokenEncoder",
+    "as_blend",
+    "best_dtype",
+    "build_blended_gpt_datasets",
+    "build_blending_indices",
+    "build_gpt_datasets",
+    "build_megatron_data",
+    "is_tiktoken_file",
+    "load_tiktoken",
+    "parse_blend",
     "DataConfig",
     "Document",
     "EOD_CANDIDATES",

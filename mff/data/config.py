@@ -17,11 +17,15 @@ class DataConfig:
 
     path: tuple[str, ...] = ()
     """Corpus inputs: .txt files (one document each), .jsonl files (one document per line) or
-    folders (every .txt and .jsonl inside, recursively). Empty: the .py files of the running
-    Python's standard library, one document per file."""
+    folders (every .txt and .jsonl inside, recursively); or Megatron indexed datasets in
+    Megatron's blend syntax: PREFIX, or "0.7 PREFIX_A 0.3 PREFIX_B" (PREFIX.bin/.idx files, e.g.
+    from mff.recipes.preprocess). Empty: the .py files of the running Python's standard library,
+    one document per file."""
 
     tokenizer: str | None = None
-    """A Hugging Face tokenizer.json to use. None: train a byte-level BPE on the train split."""
+    """A Hugging Face tokenizer.json or a tiktoken rank file (*.tiktoken, regex and special tokens from a
+    <file>.json sidecar or its known name, see mff.data.tiktoken_bpe) to use. None: train a byte-level BPE
+    on the train split."""
 
     vocab_size: int = 8192
     """Vocabulary size of the trained byte-level BPE, special tokens included (at least 257).
@@ -46,7 +50,23 @@ class DataConfig:
     MFF_CACHE_DIR environment variable (if set) is used instead."""
 
     shuffle: bool = True
-    """Shuffle training samples (a fresh permutation per epoch, seeded by the run seed)."""
+    """Shuffle training samples (a fresh permutation per epoch, seeded by the run seed). Megatron
+    data: False keeps documents and samples in order (Megatron itself always shuffles)."""
+
+    split: str = "969,30,1"
+    """Megatron data: train,valid,test weights splitting the documents of each prefix (Megatron's --split)."""
+
+    reset_position_ids: bool = False
+    """Megatron data: positions restart at 0 after each EOD token (Megatron's --reset-position-ids)."""
+
+    reset_attention_mask: bool = False
+    """Megatron data: tokens attend only within their document (Megatron's --reset-attention-mask)."""
+
+    eod_mask_loss: bool = False
+    """Megatron data: no loss on targets of EOD input tokens (Megatron's --eod-mask-loss)."""
+
+    eod_id: int | None = None
+    """Megatron data: the EOD token id, when no --data.tokenizer gives it (needed by the three options above)."""
 
 
 def resolve_cache_dir(cfg: DataConfig) -> str:

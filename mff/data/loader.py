@@ -132,6 +132,9 @@ class Loader:
             ValueError: a negative position, or a seed, window count or shuffle flag that
                 differs from this loader's (the stream would not be the same).
         """
+        if state.get("kind") == "megatron":
+            raise ValueError("data: the checkpoint was trained on Megatron indexed data, this run reads raw corpus files "
+                             "(the sample stream would differ; use another --ckpt-dir)")
         position = int(state["position"])
         if position < 0:
             raise ValueError(f"data: loader position must be >= 0, got {position}")

@@ -78,6 +78,8 @@ def _key_parts(cfg: DataConfig, files, roots) -> dict[str, Any]:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"data: tokenizer file not found: {cfg.tokenizer!r}")
         tok = {"file_sha1": file_sha1(path), "eod_token": cfg.eod_token}
+        if os.path.isfile(path + ".json"):  # a tiktoken file's sidecar (regex, special tokens) changes the ids too
+            tok["sidecar_sha1"] = file_sha1(path + ".json")
     return {
         "format": CACHE_FORMAT,
         "roots": roots,

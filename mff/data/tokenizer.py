@@ -1,4 +1,4 @@
-"""Tokenizers: train a byte-level BPE, load a tokenizer.json, find the EOD token, encode documents."""
+"""Tokenizers: train a byte-level BPE, load a tokenizer.json or .tiktoken file, find the EOD token, encode documents."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Sequence
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from .tiktoken_bpe import is_tiktoken_file, load_tiktoken
 
 DEFAULT_EOD_TOKEN = "<|endoftext|>"
 
@@ -47,30 +49,43 @@ def train_bpe(texts: Sequence[str], vocab_size: int, eod_token: str = DEFAULT_EO
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load a Hugging Face ``tokenizer.json`` with padding and truncation switched off.
+    """Load a Hugging Face ``tokenizer.json`` or a tiktoken BPE rank file, padding and
+    truncation switched off.
+
+    A file named ``*.tiktoken``, or whose first line is ``<base64> <integer>``, is a tiktoken
+    file: it is converted to an equivalent byte-level BPE `Tokenizer` by
+    `mff.data.tiktoken_bpe.load_tiktoken` (regex and special tokens from a ``<path>.json``
+    sidecar, the known names ``qwen.tiktoken`` / ``qwen3_6.tiktoken``, else a cl100k-style regex
+    and no special tokens). Anything else is read as a tokenizer.json.
 
     Raises:
         FileNotFoundError: `path` does not exist.
-        ValueError: the file is not a valid tokenizer.json (the message names it).
+        ValueError: the file is not a valid tokenizer.json or tiktoken file (the message names
+            it and, for a tiktoken file, the bad line).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data: tokenizer file not found: {path!r}")
-    try:
-        tok = Tokenizer.from_file(path)
-    except Exception as e:  # the Rust side raises a bare Exception
-        raise ValueError(f"data: cannot load tokenizer {path!r}: {e}") from None
+    if is_tiktoken_file(path):
+        tok = load_tiktoken(path)
+    else:
+        try:
+            tok = Tokenizer.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"data: cannot load tokenizer {path!r} (expected a tokenizer.json or a .tiktoken file): {e}") from None
     tok.no_padding()
     tok.no_truncation()
     return tok
 
 
-def find_eod_id(tok: Tokenizer, eod_token: str | None) -> int:
+def find_eod_id(tok: Tokenizer, eod_token: str | None, flag: str = "--data.eod-token") -> int:
     """The id of the end-of-document token.
 
     Args:
-        tok: the tokenizer.
+        tok: the tokenizer (a `Tokenizer`, or anything with its `token_to_id` and
+            `get_added_tokens_decoder`, such as `mff.data.tiktoken_bpe.TiktokenEncoder`).
         eod_token: the token string, or None to take the first of `EOD_CANDIDATES` that is a
             special (added) token of `tok`.
+        flag: the command-line flag that sets `eod_token`, named in the error message.
 
     Raises:
         ValueError: `eod_token` is not in the vocabulary, or (None) no candidate is a special
@@ -87,7 +102,7 @@ def find_eod_id(tok: Tokenizer, eod_token: str | None) -> int:
             return int(special[cand])
     raise ValueError(
         f"data: no end-of-document token found among the tokenizer's special tokens "
-        f"{sorted(special)}; tried {list(EOD_CANDIDATES)}; set --data.eod-token"
+        f"{sorted(special)}; tried {list(EOD_CANDIDATES)}; set {flag}"
     )
 
 

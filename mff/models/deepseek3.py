@@ -23,10 +23,11 @@ from torch import nn
 
 from mff.model import Family, Output
 from mff.models.common import config_from_hf, config_to_hf, scaled_init_table
+from mff.nn.blocks import BlockExecution, run_block
 from mff.nn.decoder import prepare_positions_and_mask
 from mff.nn.layers import Embedding, RMSNorm, linear
 from mff.nn.loss import count_targets as _count
-from mff.nn.loss import cross_entropy_sum
+from mff.nn.loss import linear_cross_entropy_sum
 from mff.nn.mla import MLA
 from mff.nn.mlp import GatedMLP
 from mff.nn.moe import MoE, sequence_balance_loss
@@ -243,16 +244,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         inv_freq, self.attention_factor = rope_inv_freq(cfg.rope_parameters, cfg.qk_rope_head_dim)
         self._inv_freq = inv_freq.tolist()  # a plain list: skeletons hold no buffers
+        self.execution: BlockExecution | None = None  # set by Model.with_execution
 
-    def _head(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return linear(h_BTD, gather(w))
+    def _head_weight(self) -> torch.Tensor:
+        return gather(self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight)
 
     def cache_shapes(self, batch_size: int, max_len: int) -> list[dict[str, tuple[int, ...]]]:
         """Per main layer (MTP depths are not used in generation), the MLA latent cache shapes."""
         return [self.model.layers[i].self_attn.cache_shapes(batch_size, max_len) for i in range(self.config.num_hidden_layers)]
 
-    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None):
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None,
+                return_logits=True):
         cfg = self.config
         B, T = input_ids.shape
         position_ids, mask, slots, new_cache = prepare_positions_and_mask(
@@ -267,27 +269,28 @@ class DeepseekV3ForCausalLM(nn.Module):
         L = cfg.num_hidden_layers
         h = emb_BTD
         for i in range(L):
-            h, load, bal = self.model.layers[i](h, cos, sin, mask, layer_kv[i], slots)
+            h, load, bal = run_block(self.model.layers[i], self.execution, h, cos, sin, mask, layer_kv[i], slots)
             if load is not None:
                 expert_load[f"model.layers.{i}.mlp"] = load.detach()
                 balance.append(bal)
-        logits = self._head(self.model.norm(h))
-        out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
-        if labels is None or cache is not None:
+        w = self._head_weight()
+        h_main = self.model.norm(h)
+        with_loss = labels is not None and cache is None
+        out = Output(logits=linear(h_main, w) if return_logits or not with_loss else None, expert_load=expert_load, cache=new_cache)
+        if not with_loss:
             return out
 
         counts = target_counts if target_counts is not None else count_targets(cfg, {"labels": labels, "document_ids": document_ids, "input_ids": input_ids})
-        out.losses["lm"] = cross_entropy_sum(logits, labels) / counts["lm"].clamp(min=1)
+        out.losses["lm"] = linear_cross_entropy_sum(h_main.reshape(B * T, -1), w, labels.reshape(-1)) / counts["lm"].clamp(min=1)
         mtp_terms = []
         for k in range(1, cfg.num_nextn_predict_layers + 1):
             layer = self.model.layers[L + k - 1]
             emb_next = torch.roll(emb_BTD, shifts=-k, dims=1)  # Emb(x_{t+k}); wrapped tail is masked
-            h, load, bal = layer(mtp_block_input(layer, h, emb_next), cos, sin, mask)
+            h, load, bal = run_block(layer, self.execution, mtp_block_input(layer, h, emb_next), cos, sin, mask)
             if load is not None:
                 expert_load[f"model.layers.{L + k - 1}.mlp"] = load.detach()
                 balance.append(bal)
-            logits_k = self._head(layer.shared_head.norm(h))
-            ce = cross_entropy_sum(logits_k, mtp_labels(labels, document_ids, k))
+            ce = linear_cross_entropy_sum(layer.shared_head.norm(h).reshape(B * T, -1), w, mtp_labels(labels, document_ids, k).reshape(-1))
             mtp_terms.append(ce / counts[f"mtp.{k}"].clamp(min=1))
         if mtp_terms:
             out.losses["mtp"] = cfg.mtp_loss_scaling_factor / len(mtp_terms) * sum(mtp_terms)

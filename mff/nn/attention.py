@@ -92,9 +92,15 @@ def causal_attention(
     q = q_BTHD.transpose(1, 2)
     k = repeat_kv(k_BSKD, n_rep).transpose(1, 2)
     v = repeat_kv(v_BSKE, n_rep).transpose(1, 2)
+    D, E = q.shape[-1], v.shape[-1]
+    if E < D:
+        # MLA (value heads narrower than query/key heads): zero-pad V to the query width so SDPA
+        # takes its fused flash kernel (which needs equal widths; the other path materialises
+        # the [B, H, T, S] scores), then drop the padding (as HF does for flash attention)
+        v = F.pad(v, (0, D - E))
     if mask_B1TS is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return o.transpose(1, 2)
+        return o[..., :E].transpose(1, 2)
     empty = ~mask_B1TS.any(-1, keepdim=True)  # [B, 1, T, 1]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1TS | empty, scale=scale)
-    return o.masked_fill(empty, 0.0).transpose(1, 2)
+    return o[..., :E].masked_fill(empty, 0.0).transpose(1, 2)

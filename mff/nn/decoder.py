@@ -24,9 +24,10 @@ from torch import nn
 
 from mff.model import Output
 from mff.nn.attention import cache_causal_mask, document_causal_mask
+from mff.nn.blocks import BlockExecution, run_block
 from mff.nn.layers import Embedding, RMSNorm, linear
 from mff.nn.loss import count_targets as _count
-from mff.nn.loss import cross_entropy_sum
+from mff.nn.loss import linear_cross_entropy_sum
 from mff.nn.moe import MoE
 from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq
 from mff.parallel.gather import gather
@@ -147,12 +148,14 @@ class CausalLM(nn.Module):
         inv_freq, self.attention_factor = rope_inv_freq(rope, rotary_dim)
         self._inv_freq = inv_freq.tolist()  # a plain list: skeletons hold no buffers
         self._balance_fn = balance_fn
+        self.execution: BlockExecution | None = None  # set by Model.with_execution
 
     def cache_shapes(self, batch_size: int, max_len: int) -> list[dict[str, tuple[int, ...]]]:
         """Per layer, the shapes of its KV cache tensors."""
         return [layer.self_attn.cache_shapes(batch_size, max_len) for layer in self.model.layers]
 
-    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None):
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None,
+                return_logits=True):
         cfg = self.config
         B, T = input_ids.shape
         position_ids, mask, slots, new_cache = prepare_positions_and_mask(
@@ -165,18 +168,19 @@ class CausalLM(nn.Module):
         expert_load: dict[str, torch.Tensor] = {}
         scores, indices = [], []
         for i, layer in enumerate(self.model.layers):
-            h, routing = layer(h, cos, sin, mask, layer_kv[i], slots)
+            h, routing = run_block(layer, self.execution, h, cos, sin, mask, layer_kv[i], slots)
             if routing is not None:
                 expert_load[f"model.layers.{i}.mlp"] = routing[0].detach()
                 scores.append(routing[1])
                 indices.append(routing[2])
         w = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        logits = linear(self.model.norm(h), gather(w))
-        out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
+        h = self.model.norm(h)
+        w = gather(w)
+        out = Output(logits=linear(h, w) if return_logits or labels is None else None, expert_load=expert_load, cache=new_cache)
         if labels is None:
             return out
         counts = target_counts if target_counts is not None else {"lm": _count(labels), "balance": torch.tensor(labels.numel())}
-        out.losses["lm"] = cross_entropy_sum(logits, labels) / counts["lm"].clamp(min=1)
+        out.losses["lm"] = linear_cross_entropy_sum(h.reshape(B * T, -1), w, labels.reshape(-1)) / counts["lm"].clamp(min=1)
         if scores and self._balance_fn is not None:
             term = self._balance_fn(cfg, scores, indices, {**counts, "tokens": torch.tensor(labels.numel())})
             if term is not None:

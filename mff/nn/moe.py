@@ -147,6 +147,31 @@ class SoftmaxRouter(nn.Module):
         return probs, w, idx
 
 
+
+@torch.compiler.disable
+def _grouped_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_EFD: torch.Tensor,
+                     down_EDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token slots sorted by expert, then one grouped GEMM per projection (``ops.grouped_mm``).
+
+    Runs eagerly under ``torch.compile`` (a graph break): the group sizes are data (a host
+    sync), and ``torch._grouped_mm`` has no fp32 fake-tensor rule on CPU in torch 2.13.
+    Returns ``(y [N, D], counts [E] int64)``."""
+    N, D = x_ND.shape
+    K = idx_NK.shape[1]
+    flat = idx_NK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of_slot = order // K
+    counts_E = torch.bincount(flat, minlength=gate_up_EFD.shape[0])
+    counts = counts_E.tolist()  # host sync: group sizes for the grouped GEMM
+    x_SD = x_ND[token_of_slot]
+    h = ops.grouped_mm(x_SD, gate_up_EFD.transpose(1, 2), counts)  # [S, 2I]
+    g, u = h.chunk(2, dim=-1)
+    y_SD = ops.grouped_mm(F.silu(g) * u, down_EDI.transpose(1, 2), counts)
+    y_SD = y_SD * w_NK.reshape(-1)[order, None]
+    out = torch.zeros(N, D, dtype=y_SD.dtype, device=x_ND.device).index_add_(0, token_of_slot, y_SD)
+    return out.to(x_ND.dtype), counts_E
+
+
 class Experts(nn.Module):
     """Stacked routed experts. ``forward(x [N, D], weights [N, K], indices [N, K]) -> (y [N, D], counts [E])``.
 
@@ -166,20 +191,7 @@ class Experts(nn.Module):
         K = idx_NK.shape[1]
         if N * K <= self.num_experts:
             return self._gathered(x_ND, w_NK, idx_NK)
-        flat = idx_NK.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of_slot = order // K
-        counts_E = torch.bincount(flat, minlength=self.num_experts)
-        counts = counts_E.tolist()  # host sync: group sizes for the grouped GEMM
-        x_SD = x_ND[token_of_slot]
-        gate_up = gather(self.gate_up_proj).transpose(1, 2)  # [E, D, 2I]
-        down = gather(self.down_proj).transpose(1, 2)  # [E, I, D]
-        h = ops.grouped_mm(x_SD, gate_up, counts)
-        g, u = h.chunk(2, dim=-1)
-        y_SD = ops.grouped_mm(F.silu(g) * u, down, counts)
-        y_SD = y_SD * w_NK.reshape(-1)[order, None]
-        out = torch.zeros(N, D, dtype=y_SD.dtype, device=x_ND.device).index_add_(0, token_of_slot, y_SD)
-        return out.to(x_ND.dtype), counts_E
+        return _grouped_experts(x_ND, w_NK, idx_NK, gather(self.gate_up_proj), gather(self.down_proj))
 
     def _gathered(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Few token slots (decoding): gather each slot's expert weights and use batched

@@ -1,6 +1,6 @@
 """AdamW (Loshchilov & Hutter 2019) as pure init/update over param pytrees.
 
-Same numerics as ``torch.optim.AdamW`` (foreach implementation): decoupled weight decay
+Same numerics as ``torch.optim.AdamW`` (its fused kernel ``torch._fused_adamw_`` where the dtypes allow, else foreach ops): decoupled weight decay
 ``p *= 1 - lr * wd``; ``m = lerp(m, g, 1 - b1)``; ``v = b2 v + (1 - b2) g^2``;
 ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``. Updates are in place with
 ``torch._foreach_*`` and work on DTensor leaves (all on one mesh) as on plain tensors.
@@ -12,55 +12,15 @@ that are updated (those with ``requires_grad``); saved as ``optim.safetensors`` 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from mff.optim.config import OptimConfig
 from mff.tree import matches
 
-__all__ = ["AdamWConfig", "init", "update", "decays"]
-
-
-@dataclass(frozen=True)
-class AdamWConfig:
-    """AdamW hyperparameters (``--optim.*``)."""
-
-    lr: float = 3e-3
-    """Peak learning rate."""
-    beta1: float = 0.9
-    """First-moment decay."""
-    beta2: float = 0.95
-    """Second-moment decay."""
-    eps: float = 1e-8
-    """Denominator epsilon."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay (not applied to 1-D params and no_decay paths)."""
-    no_decay: tuple[str, ...] = ("model.embed_tokens.weight",)
-    """Path patterns exempt from weight decay (1-D params always are)."""
-    max_grad_norm: float = 1.0
-    """Clip the global grad norm to this (0 = no clipping)."""
-    warmup_steps: int = 20
-    """Linear warmup steps (the first step has lr > 0; the peak is reached at the last warmup step)."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay floor as a fraction of lr."""
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first bad field and what it must be."""
-        checks = [
-            (math.isfinite(self.lr) and self.lr >= 0, f"--optim.lr {self.lr} must be a finite number >= 0"),
-            (0 <= self.beta1 < 1, f"--optim.beta1 {self.beta1} must be in [0, 1)"),
-            (0 <= self.beta2 < 1, f"--optim.beta2 {self.beta2} must be in [0, 1)"),
-            (self.eps > 0, f"--optim.eps {self.eps} must be > 0"),
-            (math.isfinite(self.weight_decay) and self.weight_decay >= 0, f"--optim.weight-decay {self.weight_decay} must be >= 0"),
-            (self.max_grad_norm >= 0, f"--optim.max-grad-norm {self.max_grad_norm} must be >= 0 (0 = no clipping)"),
-            (self.warmup_steps >= 0, f"--optim.warmup-steps {self.warmup_steps} must be >= 0"),
-            (0 <= self.min_lr_ratio <= 1, f"--optim.min-lr-ratio {self.min_lr_ratio} must be in [0, 1]"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+__all__ = ["init", "update", "decays"]
 
 
 def decays(path: str, t: torch.Tensor, no_decay: Sequence[str]) -> bool:
@@ -72,16 +32,18 @@ def init(params: Mapping[str, torch.Tensor]) -> dict:
     """Zero moments for every param with ``requires_grad`` (same placements and dtype as the
     param; fp32 when the param is lower precision), and ``step`` 0."""
 
-    def zeros(t: torch.Tensor) -> torch.Tensor:
-        z = torch.zeros_like(t.detach())
-        return z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
-
     trained = {k: v for k, v in params.items() if v.requires_grad}
     return {
         "step": torch.zeros((), dtype=torch.int64),
-        "exp_avg": {k: zeros(v) for k, v in trained.items()},
-        "exp_avg_sq": {k: zeros(v) for k, v in trained.items()},
+        "exp_avg": {k: _zeros_state(v) for k, v in trained.items()},
+        "exp_avg_sq": {k: _zeros_state(v) for k, v in trained.items()},
     }
+
+
+def _zeros_state(t: torch.Tensor) -> torch.Tensor:
+    """Zeros with ``t``'s shape, device and DTensor placements; fp32 when ``t`` is bf16/fp16."""
+    z = torch.zeros_like(t.detach())
+    return z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
 
 
 @torch.no_grad()
@@ -90,7 +52,7 @@ def update(
     grads: Mapping[str, torch.Tensor],
     state: dict,
     lr: float,
-    cfg: AdamWConfig = AdamWConfig(),
+    cfg: OptimConfig = OptimConfig(),
 ) -> tuple[Mapping[str, torch.Tensor], dict]:
     """One AdamW step, in place on ``params`` and ``state``; returns them.
 
@@ -101,17 +63,39 @@ def update(
     if missing:
         raise KeyError(f"no gradient for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     state["step"] += 1
-    t = int(state["step"])
+    _adamw_group(params, grads, state["exp_avg"], state["exp_avg_sq"], list(state["exp_avg"]), int(state["step"]), lr, cfg)
+    return params, state
+
+
+def _adamw_group(
+    params: Mapping[str, torch.Tensor],
+    grads: Mapping[str, torch.Tensor],
+    exp_avg: Mapping[str, torch.Tensor],
+    exp_avg_sq: Mapping[str, torch.Tensor],
+    keys: Sequence[str],
+    t: int,
+    lr: float,
+    cfg: OptimConfig,
+) -> None:
+    """The AdamW math of :func:`update` for the params named by ``keys`` at step ``t`` (>= 1,
+    already counted), in place; weight decay as :func:`decays` says. ``mff.optim.muon`` calls it
+    for the params it does not orthogonalise."""
     bc1 = 1 - cfg.beta1**t
     bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
     for decay in (True, False):
-        keys = [k for k in state["exp_avg"] if decays(k, params[k], cfg.no_decay) == decay]
-        if not keys:
+        group = [k for k in keys if decays(k, params[k], cfg.no_decay) == decay]
+        if not group:
             continue
-        p = [params[k] for k in keys]
-        g = [grads[k] for k in keys]
-        m = [state["exp_avg"][k] for k in keys]
-        v = [state["exp_avg_sq"][k] for k in keys]
+        if _fused_ok(params, grads, exp_avg, exp_avg_sq, group):
+            _fused_group(params, grads, exp_avg, exp_avg_sq, group, t, lr, cfg, decay)
+            continue
+        # bf16/fp16 params (``--precision bf16``) have fp32 moments: their update is computed on
+        # an fp32 copy and rounded into the param once, at the end
+        low = [params[k].dtype != exp_avg[k].dtype for k in group]
+        p = [params[k].float() if lo else params[k] for k, lo in zip(group, low)]
+        g = [grads[k].to(exp_avg[k].dtype) if grads[k].dtype != exp_avg[k].dtype else grads[k] for k in group]
+        m = [exp_avg[k] for k in group]
+        v = [exp_avg_sq[k] for k in group]
         if decay and cfg.weight_decay:
             torch._foreach_mul_(p, 1 - lr * cfg.weight_decay)
         torch._foreach_lerp_(m, g, 1 - cfg.beta1)
@@ -121,4 +105,37 @@ def update(
         torch._foreach_div_(denom, bc2_sqrt)
         torch._foreach_add_(denom, cfg.eps)
         torch._foreach_addcdiv_(p, m, denom, -lr / bc1)
-    return params, state
+        for k, lo, p32 in zip(group, low, p):
+            if lo:
+                params[k].copy_(p32)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _fused_ok(params, grads, exp_avg, exp_avg_sq, keys) -> bool:
+    """Whether ``torch._fused_adamw_`` can take the group: it exists, every tensor of a param
+    (param, grad, moments) has one float dtype, and the device is CPU or CUDA."""
+    if not hasattr(torch, "_fused_adamw_"):
+        return False
+    for k in keys:
+        p = params[k]
+        if p.device.type not in ("cpu", "cuda") or not p.dtype.is_floating_point:
+            return False
+        if not (grads[k].dtype == exp_avg[k].dtype == exp_avg_sq[k].dtype == p.dtype):
+            return False
+        if isinstance(p, DTensor) != isinstance(grads[k], DTensor):
+            return False
+    return True
+
+
+def _fused_group(params, grads, exp_avg, exp_avg_sq, keys, t: int, lr: float, cfg: OptimConfig, decay: bool) -> None:
+    """The same update as the foreach path in one fused kernel per dtype (``torch.optim.AdamW(fused=True)``'s
+    kernel): one pass over each tensor instead of seven, 3-4x faster on CPU. Elementwise, so
+    DTensor shards are updated through their local tensors."""
+    p = [_local(params[k]) for k in keys]
+    step = torch.tensor(float(t), dtype=torch.float32, device=p[0].device)
+    torch._fused_adamw_(p, [_local(grads[k]) for k in keys], [_local(exp_avg[k]) for k in keys], [_local(exp_avg_sq[k]) for k in keys],
+                        [], [step] * len(keys), lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                        weight_decay=cfg.weight_decay if decay else 0.0, eps=cfg.eps, amsgrad=False, maximize=False)

@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,13 @@ from mff.data import (
     split_microbatches,
     unigram_entropy,
 )
+from mff.data.megatron_source import SampleLoader, as_blend, batch_keys, build_megatron_data, sample_batches
 from mff.models import build, get_family
 from mff.models.common import config_from_dict
-from mff.optim import AdamWConfig, adamw, warmup_cosine
+from mff.nn.blocks import AC_MODES
+from mff.nn.moe import MoE
+from mff.optim import OptimConfig, init_state, lr_at
+from mff.optim.schedule import decay_steps_of
 from mff.parallel import ParallelConfig, build_mesh, placements_of
 from mff.recipes.common import (
     RunLog,
@@ -49,6 +53,7 @@ from mff.recipes.common import (
     rng_state,
 )
 from mff.train.metrics import available_memory_gib, device_peak_flops, memory_estimate_gib, mfu
+from mff.train.precision import PRECISIONS, param_dtype
 from mff.train.step import NonFiniteError, check_finite, eval_loss, train_step
 
 C = TypeVar("C")
@@ -93,8 +98,15 @@ class PretrainConfig(Generic[C]):
     """Append one JSON object per step to this file (rank 0)."""
     threads: int | None = None
     """torch CPU threads (default: torch's choice)."""
-    optim: AdamWConfig = AdamWConfig()
-    """AdamW and schedule."""
+    precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
+    """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state)."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing per block: none, full (recompute the whole block in the backward) or
+    selective (keep matmul and attention outputs, recompute the rest)."""
+    compile: bool = False
+    """Run each block through torch.compile (the first steps are slower while it compiles)."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer (AdamW or Muon), clipping and lr schedule."""
     data: DataConfig = DataConfig()
     """Training data."""
     parallel: ParallelConfig = ParallelConfig()
@@ -124,9 +136,17 @@ def _check(cfg: PretrainConfig, model, dp_size: int) -> None:
         raise ValueError(f"--threads {cfg.threads} must be >= 1")
     if cfg.eval_iters < 0:
         raise ValueError(f"--eval-iters {cfg.eval_iters} must be >= 0 (0 = the whole validation split)")
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(f"--precision {cfg.precision!r} must be one of {PRECISIONS}")
+    if cfg.ac not in AC_MODES:
+        raise ValueError(f"--ac {cfg.ac!r} must be one of {AC_MODES}")
+    if cfg.compile and cfg.ac == "selective" and any(isinstance(m, MoE) for m in model.skeleton.modules()):
+        raise ValueError("--ac selective with --compile is not supported for models with MoE layers (the grouped expert GEMMs run "
+                         "eagerly, a graph break that selective recomputation cannot cross); use --ac full with --compile")
     cfg.optim.validate()
     if cfg.optim.warmup_steps > cfg.steps:
         raise ValueError(f"--optim.warmup-steps {cfg.optim.warmup_steps} exceeds --steps {cfg.steps}")
+    decay_steps_of(cfg.optim.schedule, cfg.optim.warmup_steps, cfg.steps, cfg.optim.decay_ratio)  # wsd overlap check
 
 
 def _rank_slices(batches: list[dict], rank: int, size: int) -> list[dict]:
@@ -169,6 +189,10 @@ def _resume(cfg: PretrainConfig, family: str, model, params, opt_state, loader):
     if saved_len != cfg.seq_len:
         raise ckpt.CheckpointError(f"{last} was trained with --seq-len {saved_len}; this run has --seq-len {cfg.seq_len} "
                                    "(the sample stream would differ; use another --ckpt-dir)")
+    saved_optim = (meta["run"].get("optim") or {}).get("name", "adamw")
+    if saved_optim != cfg.optim.name:
+        raise ckpt.CheckpointError(f"{last} holds {saved_optim} optimizer state; this run has --optim.name {cfg.optim.name} "
+                                   "(use the same optimizer to resume, or another --ckpt-dir with --init-from)")
     params, opt_state, meta = ckpt.load(last, params, opt_state)
     loader.load_state_dict(meta["data"])
     restore_rng(meta["rng"])
@@ -251,6 +275,40 @@ def _apply_init(params, loaded, where: str):
     return params
 
 
+def _data(cfg: PretrainConfig, model, dp_rank: int, dp_size: int, rank: int):
+    """The training loader, this rank's validation batches, the validation unigram entropy and
+    a summary line, from raw corpus files (tokenized and cached here) or from Megatron indexed
+    datasets (``--data.path`` in blend syntax)."""
+    vocab = model.config.vocab_size
+    blend = as_blend(cfg.data.path)
+    if blend is not None:
+        data = build_megatron_data(cfg.data, blend, cfg.seq_len, cfg.seed, cfg.steps * cfg.batch_size, quiet=rank != 0)
+        if data.vocab_size is not None and data.vocab_size > vocab:
+            raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {vocab}; raise --model.vocab-size")
+        if rank == 0 and data.tokenizer is not None and hasattr(data.tokenizer, "to_str"):
+            _save_tokenizer(cfg.ckpt_dir, data.tokenizer)
+        keys = batch_keys(cfg.data)
+        loader = SampleLoader(data.train, cfg.batch_size, keys, dp_rank=dp_rank, dp_size=dp_size)
+        val_batches, entropy = [], None
+        if cfg.eval_every and data.val is not None and len(data.val):
+            full = sample_batches(data.val, cfg.batch_size, cfg.eval_iters or max(1, len(data.val) // cfg.batch_size), keys)
+            entropy = unigram_entropy(torch.cat([b["input_ids"].reshape(-1) for b in full]).numpy(), vocab)
+            val_batches = _rank_slices(full, dp_rank, dp_size)
+        line = (f"data: Megatron samples: train {len(data.train):,}, val {len(data.val) if data.val is not None else 0:,} of "
+                f"{cfg.seq_len + 1} tokens; EOD id {data.eod_id}")
+        return loader, val_batches, entropy, line
+    data = build_pretrain_data(cfg.data, cfg.seq_len, quiet=rank != 0)
+    if data.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {vocab}; raise --model.vocab-size")
+    if rank == 0:
+        _save_tokenizer(cfg.ckpt_dir, data.tokenizer)
+    loader = Loader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
+    n_val = cfg.eval_iters or max(1, len(data.val) // cfg.batch_size)
+    val_batches = _rank_slices(eval_batches(data.val, cfg.batch_size, n_val), dp_rank, dp_size) if cfg.eval_every else []
+    line = f"data: train {len(data.train):,} windows, val {len(data.val):,} windows of {cfg.seq_len + 1} tokens; vocab {data.vocab_size}"
+    return loader, val_batches, unigram_entropy(data.val.tokens, data.vocab_size), line
+
+
 def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -260,25 +318,18 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     dp_size = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
     dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
     # model
-    model = build(family, cfg.model)
+    model = build(family, cfg.model).with_execution(cfg.ac, cfg.compile)
     _check(cfg, model, dp_size)
     _lock = ckpt.lock_dir(cfg.ckpt_dir) if dist_info.rank == 0 else None  # held until run() returns
     mem = _memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size(), dp_size)
     # data
-    data = build_pretrain_data(cfg.data, cfg.seq_len, quiet=dist_info.rank != 0)
-    if data.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {model.config.vocab_size}; raise --model.vocab-size")
-    if dist_info.rank == 0:
-        _save_tokenizer(cfg.ckpt_dir, data.tokenizer)
-    loader = Loader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
-    n_val = cfg.eval_iters or max(1, len(data.val) // cfg.batch_size)
-    val_batches = _rank_slices(eval_batches(data.val, cfg.batch_size, n_val), dp_rank, dp_size) if cfg.eval_every else []
+    loader, val_batches, val_entropy, data_line = _data(cfg, model, dp_rank, dp_size, dist_info.rank)
     # params and optimizer, then resume
-    params = model.init(cfg.seed, dist_info.device, torch.float32, mesh)
-    opt_state = adamw.init(params)
+    params = model.init(cfg.seed, dist_info.device, param_dtype(cfg.precision), mesh)
+    opt_state = init_state(cfg.optim, params)
     if init_params is not None and ckpt.latest_step_dir(cfg.ckpt_dir) is None:
         params = _apply_init(params, init_params, cfg.init_from)
-        opt_state = adamw.init(params)
+        opt_state = init_state(cfg.optim, params)
         print0(f"initialised from {cfg.init_from} (fresh optimizer, step 0)")
     elif init_params is not None:
         print0(f"--init-from {cfg.init_from} ignored: resuming from {cfg.ckpt_dir}")
@@ -295,9 +346,7 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}, "
            f"placements: {sorted(set(placements.values()))}")
     print0("memory per device (estimate): " + ", ".join(f"{k} {v:.3f} GiB" for k, v in mem.items()))
-    print0(f"data: train {len(data.train):,} windows, val {len(data.val):,} windows of {cfg.seq_len + 1} tokens; "
-           f"vocab {data.vocab_size}; peak {peak / 1e9:.1f} GFLOP/s ({peak_src}); {flops_per_token / 1e6:.1f} MFLOP/token")
-    val_entropy = unigram_entropy(data.val.tokens, data.vocab_size)
+    print0(f"{data_line}; peak {peak / 1e9:.1f} GFLOP/s ({peak_src}); {flops_per_token / 1e6:.1f} MFLOP/token")
 
     # loop
     log = RunLog(cfg.metrics_file, total=cfg.steps, initial=start)
@@ -320,10 +369,10 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     try:
         for step in range(start + 1, end + 1):
             t0 = time.perf_counter()
-            lr = warmup_cosine(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
+            lr = lr_at(step, cfg.optim, cfg.steps)
             batch = {k: v.to(dist_info.device) for k, v in loader.next_batch().items()}
             stats = train_step(model, params, opt_state, split_microbatches(batch, cfg.grad_accum), lr, cfg.optim,
-                               getattr(model.config, "moe_router_bias_update_rate", 0.0))
+                               getattr(model.config, "moe_router_bias_update_rate", 0.0), cfg.precision)
             tokens_seen += stats.tokens
             dt = time.perf_counter() - t0
             tps = stats.tokens / dt
@@ -331,7 +380,8 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
                    "mtp_loss": stats.losses.get("mtp", 0.0), "lr": lr, "grad_norm": stats.grad_norm, "tokens_per_s": tps,
                    "mfu": mfu(flops_per_token, tps, peak, dist_info.world_size)}
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                rec["val_loss"] = eval_loss(model, params, [{k: v.to(dist_info.device) for k, v in b.items()} for b in val_batches])
+                rec["val_loss"] = eval_loss(model, params, [{k: v.to(dist_info.device) for k, v in b.items()} for b in val_batches],
+                                            cfg.precision)
             log.step(rec, val_entropy)
             if step == end or (cfg.save_every and step % cfg.save_every == 0) or stop["signal"]:
                 save(step)

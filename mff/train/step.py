@@ -1,5 +1,6 @@
-"""One optimizer step over micro-batches: functional forward, ``torch.autograd.grad`` over the
-param leaves, global-count loss normalisation, clipping, AdamW, and the expert-bias update.
+"""One optimizer step over micro-batches: functional forward (in the run's precision),
+``torch.autograd.grad`` over the param leaves, global-count loss normalisation, clipping, the
+optimizer update (AdamW or Muon), and the expert-bias update.
 
 Loss normalisation: every loss term is divided by its count over the whole step (all
 micro-batches, all data-parallel ranks), computed before the first forward from the labels
@@ -22,10 +23,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mff.model import Model
-from mff.nn.loss import count_targets, cross_entropy_sum
-from mff.optim import adamw
-from mff.optim.adamw import AdamWConfig
+from mff.nn.loss import count_targets
 from mff.optim.clip import clip_grads_
+from mff.optim.config import OptimConfig
+from mff.optim.optimizer import apply_update
+from mff.train.precision import compute_params
 from mff.tree import flatten_with_paths
 
 __all__ = ["NonFiniteError", "StepStats", "check_finite", "global_counts", "train_step", "update_expert_bias", "eval_loss"]
@@ -110,13 +112,17 @@ def train_step(
     opt_state: dict,
     micro_batches: Sequence[Mapping[str, torch.Tensor]],
     lr: float,
-    optim: AdamWConfig,
+    optim: OptimConfig,
     bias_update_rate: float = 0.0,
+    precision: str = "fp32",
 ) -> StepStats:
-    """Forward/backward over ``micro_batches``, then clip, AdamW and the expert-bias update.
+    """Forward/backward over ``micro_batches``, then clip, the optimizer and the expert-bias update.
 
     Each micro-batch dict is a model batch (see :meth:`mff.model.Model.forward`) with labels.
-    ``params`` and ``opt_state`` are updated in place.
+    ``params`` and ``opt_state`` are updated in place. ``precision`` (see
+    :mod:`mff.train.precision`): ``bf16-mixed`` computes each forward with a bf16 cast of the
+    fp32 params; the grads, clipping and update stay fp32. The forward skips the logits (the
+    loss is computed chunk by chunk from the hidden states).
 
     Raises:
         NonFiniteError: a non-finite loss or grad norm (checked before anything is updated).
@@ -130,7 +136,7 @@ def train_step(
     loads: dict[str, torch.Tensor] = {}
     tokens = 0
     for mb in micro_batches:
-        out = model.forward(params, mb, target_counts=counts)
+        out = model.forward(compute_params(model, params, precision), mb, target_counts=counts, logits=False)
         g = torch.autograd.grad(out.loss, leaves)
         if grads is None:
             grads = list(g)
@@ -154,7 +160,7 @@ def train_step(
     norm = clip_grads_(grad_map, optim.max_grad_norm)
     if not math.isfinite(loss) or not math.isfinite(norm):
         raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'}: loss={loss}, grad_norm={norm} ({losses})")
-    adamw.update(params, grad_map, opt_state, lr, optim)
+    apply_update(optim, params, grad_map, opt_state, lr)
     for k in sorted(loads):
         loads[k] = _all_reduce_sum(loads[k])
     update_expert_bias(params, loads, bias_update_rate)
@@ -163,14 +169,16 @@ def train_step(
 
 
 @torch.no_grad()
-def eval_loss(model: Model, params: Mapping[str, torch.Tensor], batches: Sequence[Mapping[str, torch.Tensor]]) -> float:
+def eval_loss(model: Model, params: Mapping[str, torch.Tensor], batches: Sequence[Mapping[str, torch.Tensor]],
+              precision: str = "fp32") -> float:
     """Mean LM loss per target token over ``batches`` and all ranks (sum of token losses over
-    their count; the main head only, no MTP or balance terms)."""
+    their count; the main head only, no MTP or balance terms), computed in ``precision``."""
     total = torch.zeros(2, dtype=torch.float64)
+    compute = compute_params(model, params, precision)
     for b in batches:
-        inputs = {k: v for k, v in b.items() if k != "labels"}
-        out = model.forward(params, inputs)
-        total[0] += float(cross_entropy_sum(out.logits, b["labels"]))
-        total[1] += float(count_targets(b["labels"]))
+        n = count_targets(b["labels"])
+        out = model.forward(compute, b, target_counts={k: n for k in model.count_targets(b)}, logits=False)
+        total[0] += float(out.losses["lm"]) * float(n)
+        total[1] += float(n)
     total = _all_reduce_sum(total)
     return float(total[0] / total[1].clamp(min=1))

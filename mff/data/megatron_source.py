@@ -1,0 +1,233 @@
+"""Pretraining from Megatron indexed datasets: ``--data.path`` in Megatron's blend syntax.
+
+``--data.path PREFIX`` or ``--data.path 0.7 PREFIX_A 0.3 PREFIX_B`` (each prefix names a
+``PREFIX.bin``/``PREFIX.idx`` pair, e.g. written by ``python -m mff.recipes.preprocess``) gives
+Megatron's GPT samples (:mod:`mff.data.gpt_dataset`, :mod:`mff.data.blend`): split by document
+with ``--data.split``, ``steps x batch_size`` training samples (more than one pass of the data
+repeats it in new shuffled epochs, as Megatron does), the valid split feeding ``--eval-every``.
+
+:class:`SampleLoader` reads the training samples in order, each data-parallel rank its rows of
+each global batch. Its state is the global sample position and the sample count the indices
+were built for; a resumed run rebuilds the same indices (cached beside the data) and continues
+at the saved position, so it sees the same tokens. A run extended past the built samples
+(a larger ``--steps`` on resume) wraps around to sample 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .blend import Blend, build_blended_gpt_datasets, parse_blend
+from .config import DataConfig
+from .gpt_dataset import GPTDatasetConfig
+from .indexed import IndexedDataset, bin_path, idx_path
+from .tokenizer import find_eod_id, load_tokenizer
+
+__all__ = ["MegatronData", "SampleLoader", "as_blend", "batch_keys", "build_megatron_data", "sample_batches"]
+
+
+def _is_prefix(p: str) -> bool:
+    return os.path.isfile(idx_path(p)) or os.path.isfile(bin_path(p))
+
+
+def as_blend(paths: Sequence[str]) -> Blend | None:
+    """The blend ``paths`` spell, or None when they are raw corpus files/folders.
+
+    ``paths`` are the ``--data.path`` values; an element holding spaces is split (so
+    ``"0.7 A 0.3 B"`` works quoted or not). They are Megatron data when any of them is a number
+    or a path prefix with a ``.bin``/``.idx`` beside it.
+
+    Raises:
+        ValueError: a malformed blend (see :func:`mff.data.blend.parse_blend`), or raw corpus
+            paths mixed with indexed-dataset prefixes.
+        FileNotFoundError: a blend prefix without its ``.bin``/``.idx`` files.
+    """
+    tokens = [t for p in paths for t in str(p).split()]
+    if not tokens:
+        return None
+    numbers = [t for t in tokens if _number(t)]
+    prefixes = [t for t in tokens if not _number(t) and _is_prefix(t)]
+    if not numbers and not prefixes:
+        return None
+    blend = parse_blend(tokens)
+    for p in blend.prefixes:
+        if not _is_prefix(p):
+            if os.path.exists(p):
+                raise ValueError(f"--data.path mixes raw corpus paths ({p!r}) with Megatron indexed datasets {prefixes}; use one kind")
+            raise FileNotFoundError(f"--data.path: no indexed dataset {p!r} (expected {idx_path(p)} and {bin_path(p)})")
+    return blend
+
+
+def _number(tok: str) -> bool:
+    try:
+        float(tok)
+    except ValueError:
+        return False
+    return not os.path.exists(tok)
+
+
+@dataclass
+class MegatronData:
+    """The data side of a run on Megatron indexed datasets.
+
+    Attributes:
+        blend: the parsed ``--data.path``.
+        train: training samples (``GPTDataset`` or ``BlendedDataset``), ``steps x batch``
+            of them (Megatron's count for ``train_iters x global_batch_size``).
+        val: valid-split samples (one pass of a single prefix's valid split; for a weighted
+            blend the sum of the datasets' one-pass counts, blended by weight), or None when
+            the split gives the valid part no weight.
+        eod_id: the end-of-document id (from ``--data.tokenizer`` or ``--data.eod-id``), or None.
+        tokenizer: the tokenizer of ``--data.tokenizer``, or None.
+        vocab_size: the tokenizer's vocabulary size, or None without a tokenizer.
+        stats: ``documents``, ``tokens`` per prefix summed, ``train_samples``, ``val_samples``.
+    """
+
+    blend: Blend
+    train: Any
+    val: Any
+    eod_id: int | None
+    tokenizer: Any
+    vocab_size: int | None
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def _one_pass(prefix: str, cfg: GPTDatasetConfig) -> int:
+    ds = build_blended_gpt_datasets(prefix, (0, None, 0), cfg)[1]
+    return len(ds) if ds is not None else 0
+
+
+def build_megatron_data(cfg: DataConfig, blend: Blend, seq_len: int, seed: int, train_samples: int, quiet: bool = False) -> MegatronData:
+    """Train and valid samples of ``blend`` for ``train_samples`` training samples.
+
+    ``seed`` seeds Megatron's shuffles (pass Megatron's ``--seed``, default 1234, for its exact
+    samples). The reset and masking options come from ``cfg`` (``--data.reset-position-ids``,
+    ``--data.reset-attention-mask``, ``--data.eod-mask-loss``) and need the EOD id.
+
+    Raises:
+        ValueError: one of the options above without an EOD id; a bad split; see
+            :func:`mff.data.blend.build_blended_gpt_datasets`.
+        FileNotFoundError: a missing prefix or tokenizer.
+    """
+    tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
+    eod_id = cfg.eod_id
+    if eod_id is None and tokenizer is not None:
+        eod_id = find_eod_id(tokenizer, cfg.eod_token)
+    needs_eod = cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss
+    if needs_eod and eod_id is None:
+        raise ValueError("--data.reset-position-ids, --data.reset-attention-mask and --data.eod-mask-loss need the EOD id: "
+                         "pass --data.tokenizer (the tokenizer the data was made with) or --data.eod-id")
+    gcfg = GPTDatasetConfig(seq_len=seq_len, seed=seed, split=cfg.split, eod_id=eod_id, reset_position_ids=cfg.reset_position_ids,
+                            reset_attention_mask=cfg.reset_attention_mask, eod_mask_loss=cfg.eod_mask_loss, shuffle=cfg.shuffle)
+    if blend.weights is None:
+        n_val = None
+    else:
+        n_val = sum(_one_pass(p, gcfg) for p in blend.prefixes)
+    train, val, _ = build_blended_gpt_datasets(blend, (train_samples, n_val, 0), gcfg)
+    if train is None or len(train) == 0:
+        raise ValueError(f"--data.split {cfg.split!r} leaves no training samples in {' '.join(blend.prefixes)}")
+    indexed = [IndexedDataset(p) for p in blend.prefixes]
+    stats = {"documents": sum(ds.num_documents for ds in indexed), "tokens": sum(int(ds.sequence_lengths.sum()) for ds in indexed),
+             "train_samples": len(train), "val_samples": len(val) if val is not None else 0}
+    if not quiet:
+        print(f"data: Megatron indexed data {' '.join(blend.prefixes)}: {stats['documents']:,} documents, {stats['tokens']:,} tokens; "
+              f"split {cfg.split}: {stats['train_samples']:,} train samples, {stats['val_samples']:,} valid samples of {seq_len + 1} tokens",
+              flush=True)
+    vocab = tokenizer.get_vocab_size() if tokenizer is not None else None
+    return MegatronData(blend, train, val, eod_id, tokenizer, vocab, stats)
+
+
+def _stack(samples: list[dict[str, np.ndarray]], keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in keys}
+
+
+def batch_keys(cfg: DataConfig) -> tuple[str, ...]:
+    """The batch keys a run on ``cfg`` feeds the model: ``input_ids``, ``labels``, and
+    ``position_ids`` / ``document_ids`` when the reset options are on."""
+    keys = ["input_ids", "labels"]
+    if cfg.reset_position_ids:
+        keys.append("position_ids")
+    if cfg.reset_attention_mask:
+        keys.append("document_ids")
+    return tuple(keys)
+
+
+class SampleLoader:
+    """Global batches of samples ``position .. position + batch_size - 1`` (mod the sample
+    count), data-parallel rank r taking rows ``[r*b, (r+1)*b)`` with ``b = batch_size // dp_size``.
+
+    Args:
+        samples: a ``GPTDataset`` or ``BlendedDataset`` (already shuffled by its indices).
+        batch_size: global batch size in samples.
+        keys: batch keys to emit (``input_ids``, ``labels``, and ``position_ids`` /
+            ``document_ids`` when the reset options are on).
+
+    Raises:
+        ValueError: ``batch_size`` < 1, a bad ``dp_rank``/``dp_size``, ``batch_size`` not
+            divisible by ``dp_size``, an empty dataset.
+    """
+
+    def __init__(self, samples, batch_size: int, keys: Sequence[str] = ("input_ids", "labels"), dp_rank: int = 0, dp_size: int = 1):
+        if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or batch_size % dp_size:
+            raise ValueError(f"data: need batch_size >= 1 divisible by dp_size and 0 <= dp_rank < dp_size; got batch_size={batch_size}, "
+                             f"dp_rank={dp_rank}, dp_size={dp_size}")
+        if len(samples) == 0:
+            raise ValueError("data: the training dataset has no samples")
+        self.samples = samples
+        self.batch_size = batch_size
+        self.keys = tuple(keys)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.position = 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of the next global batch (int64 tensors [batch_size // dp_size,
+        seq_len]); advances by ``batch_size`` samples."""
+        b = self.batch_size // self.dp_size
+        start = self.position + self.dp_rank * b
+        n = len(self.samples)
+        rows = [self.samples[(start + i) % n] for i in range(b)]
+        self.position += self.batch_size
+        return _stack(rows, self.keys)
+
+    def state_dict(self) -> dict:
+        """``{"kind": "megatron", "position": samples consumed globally, "num_samples": samples built}``."""
+        return {"kind": "megatron", "position": self.position, "num_samples": len(self.samples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved position.
+
+        Raises:
+            ValueError: a state from another kind of loader, a negative position, or a sample
+                count that differs (the indices, hence the stream, would differ).
+        """
+        if state.get("kind") != "megatron":
+            raise ValueError("data: the checkpoint was trained on raw corpus files, this run reads Megatron indexed data "
+                             "(the sample stream would differ; use another --ckpt-dir)")
+        if int(state["position"]) < 0:
+            raise ValueError(f"data: loader position must be >= 0, got {state['position']}")
+        if int(state["num_samples"]) != len(self.samples):
+            raise ValueError(f"data: the checkpoint's indices hold {state['num_samples']} training samples, this run's {len(self.samples)} "
+                             "(the sample count is --steps x --batch-size of the first run; keep them to resume)")
+        self.position = int(state["position"])
+
+
+def sample_batches(samples, batch_size: int, n_batches: int, keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """The first ``n_batches`` whole batches of ``samples`` in order (at least one batch, of all
+    samples when there are fewer than ``batch_size``), for validation.
+
+    Raises:
+        ValueError: ``batch_size`` or ``n_batches`` < 1, or no samples.
+    """
+    if batch_size < 1 or n_batches < 1:
+        raise ValueError(f"data: batch_size and n_batches must be >= 1, got {batch_size} and {n_batches}")
+    n = len(samples)
+    if n == 0:
+        raise ValueError("data: the validation split has no samples; lower --eval-every to 0 or change --data.split")
+    bounds = [(0, n)] if n < batch_size else [(i * batch_size, (i + 1) * batch_size) for i in range(min(n_batches, n // batch_size))]
+    return [_stack([samples[i] for i in range(a, e)], keys) for a, e in bounds]

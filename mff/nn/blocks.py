@@ -1,0 +1,128 @@
+"""How a decoder block runs: eagerly, under activation checkpointing, compiled, or both.
+
+A skeleton's forward calls every block through :func:`run_block` with the model's
+:class:`BlockExecution`:
+
+- ``ac="full"``: the block's activations are dropped after the forward and recomputed in the
+  backward (``torch.utils.checkpoint``, non-reentrant), one block at a time, as torchtitan's
+  and Megatron's full recomputation;
+- ``ac="selective"``: the recomputation keeps the outputs of the matmuls and attention
+  (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``, scaled-dot-product attention: the expensive
+  ops) and recomputes only the cheap elementwise ops and norms (torchtitan's op-level
+  selective AC, through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``);
+- ``compile=True``: each block runs through ``torch.compile`` (one compiled graph serves all
+  blocks of the same shape, as torchtitan's per-block compilation). MoE blocks run their
+  grouped expert GEMMs eagerly (a graph break), so ``selective`` with ``compile`` is refused
+  for them; ``full`` checkpoints around the compiled block.
+
+The block's params are passed to the checkpointed function explicitly: the skeleton holds meta
+tensors and gets its real params from ``torch.func.functional_call`` only for the duration of
+the forward, while the recomputation runs later, inside the backward. Outputs that are
+statistics (MoE expert loads) are produced by the forward only; the recomputation's copies are
+discarded, so loads are counted once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["AC_MODES", "BlockExecution", "run_block"]
+
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class BlockExecution:
+    """``ac``: activation checkpointing per block, one of :data:`AC_MODES`; ``compile``: run
+    each block through ``torch.compile``."""
+
+    ac: str = "none"
+    compile: bool = False
+
+    def __post_init__(self):
+        if self.ac not in AC_MODES:
+            raise ValueError(f"ac={self.ac!r}; expected one of {AC_MODES}")
+
+
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def _checkpointed(block: nn.Module, *args):
+    return checkpoint(block, *args, use_reentrant=False, context_fn=_selective_context)
+
+
+def _has_graph_break(block: nn.Module) -> bool:
+    """MoE blocks: their grouped expert GEMMs run eagerly under torch.compile (a graph break)."""
+    from mff.nn.moe import MoE
+
+    return any(isinstance(m, MoE) for m in block.modules())
+
+
+def _compiled(block: nn.Module, selective: bool):
+    """``torch.compile`` of the block, cached on it. With ``selective`` the selective
+    checkpointing is inside the compiled region, so its recomputation is part of the compiled
+    backward graph (whose inputs hold the params: the skeleton's meta params are never read)."""
+    cache = block.__dict__.setdefault("_mff_compiled", {})  # in __dict__: not a registered submodule
+    if selective not in cache:
+        cache[selective] = torch.compile(functools.partial(_checkpointed, block) if selective else block)
+    return cache[selective]
+
+
+def _call_with(block: nn.Module, target, names: list[str], *flat):
+    n = len(names)
+    with _reparametrize_module(block, dict(zip(names, flat[:n])), strict=True):
+        return target(*flat[n:])
+
+
+def run_block(block: nn.Module, execution: BlockExecution | None, *args):
+    """``block(*args)`` as ``execution`` says (None: eagerly, no checkpointing).
+
+    Must be called inside the model's ``functional_call`` (the block's params are the real
+    tensors then). Checkpointing applies only when grad is enabled; generation and evaluation
+    run the block without it.
+
+    Raises:
+        ValueError: ``ac="selective"`` with ``compile`` on a block with MoE experts (its grouped
+            GEMMs are a graph break, across which torch 2.13 cannot recompute selectively).
+    """
+    if execution is None:
+        return block(*args)
+    ac = execution.ac if torch.is_grad_enabled() else "none"
+    if execution.compile and ac == "selective":
+        if _has_graph_break(block):
+            raise ValueError("--ac selective with --compile is not supported for MoE blocks (the grouped expert GEMMs run "
+                             "eagerly, a graph break that selective recomputation cannot cross); use --ac full with --compile")
+        return _compiled(block, True)(*args)
+    target = _compiled(block, False) if execution.compile else block
+    if ac == "none":
+        return target(*args)
+    # the recomputation runs inside the backward, after functional_call has put the skeleton's
+    # meta params back: the block's params go in as explicit inputs and are swapped in again
+    named = list(block.named_parameters())
+    body = functools.partial(_call_with, block, target, [k for k, _ in named])
+    context = {"context_fn": _selective_context} if ac == "selective" else {}
+    return checkpoint(body, *[p for _, p in named], *args, use_reentrant=False, **context)

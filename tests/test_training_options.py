@@ -1,0 +1,168 @@
+"""Issue 6, acceptance 3-4 and the loss rules: activation checkpointing and torch.compile give
+the plain step's grads and count expert loads once; bf16-mixed keeps fp32 master params and
+fp32-sensitive parts; the correction bias stays fp32 in a bf16 model; the chunked head+loss
+equals the unchunked one; a micro-batch without targets contributes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mff
+from mff.models import get_family
+from mff.nn.loss import linear_cross_entropy_sum
+from mff.optim import OptimConfig, init_state
+from mff.train.precision import compute_params
+from mff.train.step import train_step
+
+
+def _small(family: str):
+    cfg = get_family(family).sizes["tiny"]
+    over = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if family == "deepseek3":
+        over.update(intermediate_size=128, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, first_k_dense_replace=1)
+    else:
+        over.update(intermediate_size=128, num_key_value_heads=2, head_dim=16)
+        if family == "qwen3_moe":
+            over.update(moe_intermediate_size=32)
+    return mff.build(family, dataclasses.replace(cfg, **over))
+
+
+def _batch(seed=0, B=2, T=24, V=256):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T + 1), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def _loss_grads(model, params, batch):
+    out = model.forward(params, batch, logits=False)
+    names = [k for k, v in params.items() if v.requires_grad]
+    grads = torch.autograd.grad(out.loss, [params[k] for k in names])
+    return out, dict(zip(names, grads))
+
+
+def _assert_same(ref, got, atol=1e-5):
+    (out0, g0), (out1, g1) = ref, got
+    assert float(out1.loss.detach()) == pytest.approx(float(out0.loss.detach()), abs=atol)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], atol=atol, rtol=0, msg=k)
+    assert out1.expert_load.keys() == out0.expert_load.keys()
+    for k in out0.expert_load:
+        assert torch.equal(out1.expert_load[k], out0.expert_load[k]), k  # counted once, not again in the recompute
+
+
+@pytest.mark.parametrize("family", ["deepseek3", "qwen3_moe", "qwen3"])
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_activation_checkpointing_gives_the_plain_grads(family, ac):
+    model = _small(family)
+    params = model.init(0)
+    batch = _batch()
+    ref = _loss_grads(model, params, batch)
+    assert ref[0].expert_load or family == "qwen3"
+    _assert_same(ref, _loss_grads(model.with_execution(ac=ac), params, batch))
+
+
+@pytest.mark.parametrize("family,ac", [("deepseek3", "none"), ("deepseek3", "full"), ("qwen3", "selective")])
+def test_compile_gives_the_plain_grads(family, ac):
+    model = _small(family)
+    params = model.init(0)
+    ref = _loss_grads(model, params, _batch())
+    compiled = model.with_execution(ac=ac, compile=True)
+    for seed in (0, 1):  # the second call reuses the compiled graphs
+        _assert_same(_loss_grads(model, params, _batch(seed)), _loss_grads(compiled, params, _batch(seed)))
+    assert ref is not None
+
+
+def test_selective_with_compile_refused_for_moe():
+    model = _small("deepseek3").with_execution(ac="selective", compile=True)
+    with pytest.raises(ValueError, match="--ac selective with --compile"):
+        _loss_grads(model, model.init(0), _batch())
+
+
+def test_bf16_mixed_keeps_fp32_masters_and_fp32_router():
+    model = _small("deepseek3")
+    params = model.init(0)
+    compute = compute_params(model, params, "bf16-mixed")
+    assert compute["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.bfloat16
+    for k in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"):
+        assert compute[k].dtype == torch.float32
+    batch = _batch()
+    out = model.forward(compute, batch)
+    assert out.logits.dtype == torch.bfloat16 and out.losses["lm"].dtype == torch.float32
+    ref = model.forward(params, batch)
+    assert float(out.losses["lm"]) == pytest.approx(float(ref.losses["lm"]), rel=2e-2)
+    state = init_state(OptimConfig(), params)
+    before = {k: v.detach().clone() for k, v in params.items()}
+    stats = train_step(model, params, state, [batch], 1e-3, OptimConfig(), precision="bf16-mixed")
+    assert stats.loss == pytest.approx(float(ref.loss), rel=2e-2)
+    for k, v in params.items():
+        assert v.dtype == before[k].dtype  # masters stay fp32
+    assert all(t.dtype == torch.float32 for t in state["exp_avg"].values())
+    assert not torch.equal(params["model.layers.0.self_attn.q_a_proj.weight"], before["model.layers.0.self_attn.q_a_proj.weight"])
+
+
+def test_correction_bias_stays_fp32_in_a_bf16_model(tmp_path):
+    model = _small("deepseek3")
+    params = {k: v.detach() for k, v in model.init(0).items()}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    params[bias] = torch.zeros(8)
+    params[bias][:2] = torch.tensor([6.90, 6.91])
+    assert torch.tensor([6.90, 6.91]).bfloat16().unique().numel() == 1  # bf16 would merge them
+    mff.save_hf(model, params, tmp_path / "hf")
+    loaded_model, loaded = mff.load(tmp_path / "hf", dtype=torch.bfloat16)
+    assert loaded[bias].dtype == torch.float32 and loaded["model.layers.0.self_attn.q_a_proj.weight"].dtype == torch.bfloat16
+    assert float(loaded[bias][1] - loaded[bias][0]) == pytest.approx(0.01, abs=1e-6)
+    # with equal router scores, the expert with the larger bias wins
+    gate = loaded_model.skeleton.model.layers[1].mlp.gate
+    x = torch.zeros(3, 64)
+    w = torch.zeros(8, 64)
+    _, _, idx = torch.func.functional_call(gate, {"weight": w, "e_score_correction_bias": loaded[bias]}, (x,))
+    assert (idx[:, 0] == 1).all() and (idx[:, 1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_linear_cross_entropy_matches_unchunked(dtype):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
+    y = torch.randint(0, 50, (37,), generator=g)
+    y[[3, 10, 36]] = -100
+    ref = F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100, reduction="sum")
+    ref_g = torch.autograd.grad(0.5 * ref, (h, w))
+    for rows in (1, 8, 37, 100):
+        out = linear_cross_entropy_sum(h, w, y, chunk_rows=rows)
+        assert out.dtype == torch.float32
+        got = torch.autograd.grad(0.5 * out, (h, w))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert float(out) == pytest.approx(float(ref), rel=1e-5 if dtype == torch.float32 else 1e-2)
+        for a, b in zip(got, ref_g):
+            torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+    with pytest.raises(IndexError, match="label 50 is outside"):
+        linear_cross_entropy_sum(h, w, torch.full((37,), 50))
+
+
+def test_loss_without_logits_equals_loss_with_logits():
+    model = _small("deepseek3")
+    params = model.init(0)
+    batch = _batch()
+    a = model.forward(params, batch)
+    b = model.forward(params, batch, logits=False)
+    assert b.logits is None and a.logits.shape == (2, 24, 256)
+    for k in a.losses:
+        assert float(b.losses[k]) == pytest.approx(float(a.losses[k]), rel=1e-6)
+
+
+def test_microbatch_without_targets_contributes_nothing():
+    model = _small("deepseek3")
+    params = model.init(0)
+    batch = _batch()
+    empty = dict(_batch(1), labels=torch.full((2, 24), -100))
+    s1 = train_step(model, {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in params.items()}, init_state(OptimConfig(), params),
+                    [batch], 0.0, OptimConfig(max_grad_norm=0.0))
+    s2 = train_step(model, {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in params.items()}, init_state(OptimConfig(), params),
+                    [batch, empty], 0.0, OptimConfig(max_grad_norm=0.0))
+    assert s2.losses["lm"] == pytest.approx(s1.losses["lm"], rel=1e-6)
+    assert s2.grad_norm == pytest.approx(s1.grad_norm, rel=1e-3)  # the balance term counts the empty rows' tokens
