@@ -124,8 +124,9 @@ class Model:
 
         Raises:
             ValueError: an unknown ``ac`` mode.
+            TypeError: ``compile`` is not a bool.
         """
-        return Model(self.family, self.config, BlockExecution(ac=ac, compile=bool(compile)))
+        return Model(self.family, self.config, BlockExecution(ac=ac, compile=compile))
 
     # ---- structure -------------------------------------------------------------------
     def param_shapes(self) -> dict[str, torch.Size]:

@@ -37,17 +37,24 @@ def tiny_args(corpus: Path) -> list[str]:
     ]
 
 
+def cli_env(cache_dir: Path) -> dict[str, str]:
+    """The environment of a recipe subprocess: its own cache dir, and none of the process-group
+    variables a test in this process may have set (a 1-process group holds its MASTER_PORT)."""
+    env = dict(os.environ, MFF_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def run_cli(args: list[str], cache_dir: Path, **kw) -> subprocess.CompletedProcess:
     """``python -m mff.recipes.pretrain ARGS`` in a fresh process with its own cache dir."""
-    env = dict(os.environ, MFF_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "mff.recipes.pretrain", *args], capture_output=True, text=True, env=env, cwd=ROOT, **kw)
+    return subprocess.run([sys.executable, "-m", "mff.recipes.pretrain", *args], capture_output=True, text=True, env=cli_env(cache_dir),
+                          cwd=ROOT, **kw)
 
 
 def popen_cli(args: list[str], cache_dir: Path) -> subprocess.Popen:
     """Like :func:`run_cli` but returns the running process."""
-    env = dict(os.environ, MFF_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
+    env = cli_env(cache_dir)
     return subprocess.Popen([sys.executable, "-m", "mff.recipes.pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, cwd=ROOT)
 

@@ -147,3 +147,19 @@ def test_preprocess_default_corpus_then_pretrain(tmp_path):
     assert [x["step"] for x in recs] == [1, 2, 3, 4] and recs[-1]["val_loss"] is not None
     assert recs[-1]["loss"] < recs[0]["loss"]
     assert torch.isfinite(torch.tensor([x["loss"] for x in recs])).all()
+
+
+@pytest.mark.parametrize("eod,message", [("-1", "--data.eod-id -1 must be a token id >= 0"),
+                                         ("600", "the EOD id 600 is outside the model's vocabulary [0, 512)")])
+def test_bad_eod_id_is_refused(prefixes, tmp_path, eod, message):
+    r = run_cli(_args([str(prefixes / "a")]) + ["--data.eod-id", eod, "--data.reset-attention-mask", "--steps", "2",
+                                                 "--ckpt-dir", str(tmp_path / "e")], tmp_path / "cache", timeout=600)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_empty_valid_split_skips_validation(prefixes, tmp_path):
+    r = run_cli(_args([str(prefixes / "a")]) + ["--data.split", "1,0,0", "--eval-every", "2", "--steps", "2", "--ckpt-dir", str(tmp_path / "f"),
+                                                 "--metrics-file", str(tmp_path / "f.jsonl")], tmp_path / "cache", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "no validation samples" in r.stdout
+    assert all("val_loss" not in json.loads(x) for x in (tmp_path / "f.jsonl").read_text().splitlines())

@@ -142,6 +142,10 @@ def test_chunked_linear_cross_entropy_matches_unchunked(dtype):
             torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
     with pytest.raises(IndexError, match="label 50 is outside"):
         linear_cross_entropy_sum(h, w, torch.full((37,), 50))
+    with pytest.raises(ValueError, match="labels must be int64"):
+        linear_cross_entropy_sum(h, w, y.float())
+    with pytest.raises(ValueError, match="chunk_rows=0"):
+        linear_cross_entropy_sum(h, w, y, chunk_rows=0)
 
 
 def test_loss_without_logits_equals_loss_with_logits():

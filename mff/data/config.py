@@ -16,16 +16,10 @@ class DataConfig:
     """Where the pretraining text comes from, how it is tokenized, split and cached."""
 
     path: tuple[str, ...] = ()
-    """Corpus inputs: .txt files (one document each), .jsonl files (one document per line) or
-    folders (every .txt and .jsonl inside, recursively); or Megatron indexed datasets in
-    Megatron's blend syntax: PREFIX, or "0.7 PREFIX_A 0.3 PREFIX_B" (PREFIX.bin/.idx files, e.g.
-    from mff.recipes.preprocess). Empty: the .py files of the running Python's standard library,
-    one document per file."""
+    """Corpus inputs: .txt files (one document each), .jsonl files (one document per line) or folders (every .txt and .jsonl inside, recursively); or Megatron indexed datasets in Megatron's blend syntax: PREFIX, or "0.7 PREFIX_A 0.3 PREFIX_B" (PREFIX.bin/.idx files, e.g. from mff.recipes.preprocess). Empty: the .py files of the running Python's standard library, one document per file."""
 
     tokenizer: str | None = None
-    """A Hugging Face tokenizer.json or a tiktoken rank file (*.tiktoken, regex and special tokens from a
-    <file>.json sidecar or its known name, see mff.data.tiktoken_bpe) to use. None: train a byte-level BPE
-    on the train split."""
+    """A Hugging Face tokenizer.json or a tiktoken rank file (*.tiktoken, regex and special tokens from a <file>.json sidecar or its known name, see mff.data.tiktoken_bpe) to use. None: train a byte-level BPE on the train split."""
 
     vocab_size: int = 8192
     """Vocabulary size of the trained byte-level BPE, special tokens included (at least 257).
@@ -50,8 +44,7 @@ class DataConfig:
     MFF_CACHE_DIR environment variable (if set) is used instead."""
 
     shuffle: bool = True
-    """Shuffle training samples (a fresh permutation per epoch, seeded by the run seed). Megatron
-    data: False keeps documents and samples in order (Megatron itself always shuffles)."""
+    """Shuffle training samples (a fresh permutation per epoch, seeded by the run seed). Megatron data: False keeps documents and samples in order (Megatron itself always shuffles)."""
 
     split: str = "969,30,1"
     """Megatron data: train,valid,test weights splitting the documents of each prefix (Megatron's --split)."""

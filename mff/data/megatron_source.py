@@ -115,10 +115,16 @@ def build_megatron_data(cfg: DataConfig, blend: Blend, seq_len: int, seed: int, 
             :func:`mff.data.blend.build_blended_gpt_datasets`.
         FileNotFoundError: a missing prefix or tokenizer.
     """
+    if cfg.eod_id is not None and cfg.eod_id < 0:
+        raise ValueError(f"--data.eod-id {cfg.eod_id} must be a token id >= 0")
     tokenizer = load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None
     eod_id = cfg.eod_id
-    if eod_id is None and tokenizer is not None:
-        eod_id = find_eod_id(tokenizer, cfg.eod_token)
+    if tokenizer is not None:
+        tok_eod = find_eod_id(tokenizer, cfg.eod_token)
+        if eod_id is None:
+            eod_id = tok_eod
+        elif eod_id != tok_eod and not quiet:
+            print(f"data: note: --data.eod-id {eod_id} is used, not the tokenizer's EOD id {tok_eod}", flush=True)
     needs_eod = cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss
     if needs_eod and eod_id is None:
         raise ValueError("--data.reset-position-ids, --data.reset-attention-mask and --data.eod-mask-loss need the EOD id: "

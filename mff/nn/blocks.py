@@ -48,6 +48,8 @@ class BlockExecution:
     def __post_init__(self):
         if self.ac not in AC_MODES:
             raise ValueError(f"ac={self.ac!r}; expected one of {AC_MODES}")
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile={self.compile!r}; expected True or False")
 
 
 _SAVE_OPS = {

@@ -99,11 +99,15 @@ def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels
 
     Raises:
         IndexError: a label outside [0, V) that is not ``IGNORE_INDEX``.
-        ValueError: mismatched shapes.
+        ValueError: mismatched shapes, labels that are not integers, ``chunk_rows`` < 1.
     """
     if h_ND.dim() != 2 or weight_VD.dim() != 2 or h_ND.shape[1] != weight_VD.shape[1] or labels_N.shape != h_ND.shape[:1]:
         raise ValueError(f"linear_cross_entropy_sum: h {tuple(h_ND.shape)}, weight {tuple(weight_VD.shape)}, labels "
                          f"{tuple(labels_N.shape)}; expected [N, D], [V, D], [N]")
+    if labels_N.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"linear_cross_entropy_sum: labels must be int64 (or int32) token ids, got {labels_N.dtype}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"linear_cross_entropy_sum: chunk_rows={chunk_rows} must be >= 1")
     V = weight_VD.shape[0]
     bad = (labels_N != IGNORE_INDEX) & ((labels_N < 0) | (labels_N >= V))
     if bool(bad.any()):

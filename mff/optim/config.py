@@ -23,8 +23,7 @@ class OptimConfig:
     clipping and the lr schedule (:mod:`mff.optim.schedule`)."""
 
     name: Literal["adamw", "muon"] = "adamw"
-    """adamw: AdamW for every param. muon: Muon for hidden 2-D matrices (stacked experts as a
-    batch of matrices), AdamW for embeddings, output heads and 1-D params (--optim.muon-adamw-params)."""
+    """adamw: AdamW for every param. muon: Muon for hidden 2-D matrices (stacked experts as a batch of matrices), AdamW for embeddings, output heads and 1-D params (--optim.muon-adamw-params)."""
     lr: float = 3e-3
     """Peak learning rate (Muon and AdamW params alike)."""
     beta1: float = 0.9
@@ -40,8 +39,7 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Clip the global grad norm to this (0 = no clipping)."""
     schedule: Literal["constant", "cosine", "linear", "wsd"] = "cosine"
-    """lr schedule after the warmup: constant; cosine or linear decay over all remaining steps;
-    wsd = warmup-stable-decay (the last --optim.decay-ratio of the steps decay)."""
+    """lr schedule after the warmup: constant; cosine or linear decay over all remaining steps; wsd = warmup-stable-decay (the last --optim.decay-ratio of the steps decay)."""
     warmup_steps: int = 20
     """Linear warmup steps (the first step has lr > 0; the peak is reached at the last warmup step)."""
     min_lr_ratio: float = 0.1
@@ -57,8 +55,7 @@ class OptimConfig:
     muon_ns_steps: int = 5
     """Muon: Newton-Schulz iterations."""
     muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
-    """Muon per-matrix lr scale: original = sqrt(max(1, out/in)); match_rms_adamw = 0.2 sqrt(max(out, in)),
-    which gives updates of AdamW's RMS so one lr and weight decay serve both (Moonlight, arXiv 2502.16982)."""
+    """Muon per-matrix lr scale: original = sqrt(max(1, out/in)); match_rms_adamw = 0.2 sqrt(max(out, in)), which gives updates of AdamW's RMS so one lr and weight decay serve both (Moonlight, arXiv 2502.16982)."""
     muon_adamw_params: tuple[str, ...] = DEFAULT_ADAMW_PATTERNS
     """Muon: path patterns of >= 2-D params that take AdamW instead (embeddings and output heads)."""
 

@@ -465,7 +465,7 @@ def summary(r: PreprocessResult) -> str:
         f"preprocess: {r.documents:,} documents from {r.files:,} files ({r.empty_dropped:,} empty dropped, "
         f"{r.non_utf8_skipped:,} non-UTF-8 files skipped)",
         f"preprocess: {r.tokens:,} tokens ({r.dtype}), {r.bytes / 1e6:.1f} MB of text in {r.seconds:.1f} s: "
-        f"{r.mb_per_s:.2f} MB/s, {r.tokens / max(r.seconds, 1e-9):,.0f} tokens/s ({r.backend}, {r.workers} workers)",
+        f"{r.mb_per_s:.2f} MB/s, {r.tokens / max(r.seconds, 1e-9):,.0f} tokens/s ({r.backend}, {r.workers} worker{'s' if r.workers != 1 else ''})",
         f"preprocess: wrote {r.bin} ({size(r.bin)}) and {r.idx} ({size(r.idx)})",
     ])
 

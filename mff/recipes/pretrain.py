@@ -101,8 +101,7 @@ class PretrainConfig(Generic[C]):
     precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
     """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state)."""
     ac: Literal["none", "full", "selective"] = "none"
-    """Activation checkpointing per block: none, full (recompute the whole block in the backward) or
-    selective (keep matmul and attention outputs, recompute the rest)."""
+    """Activation checkpointing per block: none, full (recompute the whole block in the backward) or selective (keep matmul and attention outputs, recompute the rest)."""
     compile: bool = False
     """Run each block through torch.compile (the first steps are slower while it compiles)."""
     optim: OptimConfig = OptimConfig()
@@ -189,6 +188,11 @@ def _resume(cfg: PretrainConfig, family: str, model, params, opt_state, loader):
     if saved_len != cfg.seq_len:
         raise ckpt.CheckpointError(f"{last} was trained with --seq-len {saved_len}; this run has --seq-len {cfg.seq_len} "
                                    "(the sample stream would differ; use another --ckpt-dir)")
+    saved_precision = meta["run"].get("precision", "fp32")
+    if param_dtype(saved_precision) != param_dtype(cfg.precision):
+        raise ckpt.CheckpointError(f"{last} was trained with --precision {saved_precision} (params stored in "
+                                   f"{str(param_dtype(saved_precision)).replace('torch.', '')}); this run has --precision {cfg.precision}. "
+                                   "fp32 and bf16-mixed can resume each other's checkpoints; bf16 only its own")
     saved_optim = (meta["run"].get("optim") or {}).get("name", "adamw")
     if saved_optim != cfg.optim.name:
         raise ckpt.CheckpointError(f"{last} holds {saved_optim} optimizer state; this run has --optim.name {cfg.optim.name} "
@@ -285,11 +289,15 @@ def _data(cfg: PretrainConfig, model, dp_rank: int, dp_size: int, rank: int):
         data = build_megatron_data(cfg.data, blend, cfg.seq_len, cfg.seed, cfg.steps * cfg.batch_size, quiet=rank != 0)
         if data.vocab_size is not None and data.vocab_size > vocab:
             raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {vocab}; raise --model.vocab-size")
+        if data.eod_id is not None and data.eod_id >= vocab:
+            raise ValueError(f"the EOD id {data.eod_id} is outside the model's vocabulary [0, {vocab}); check --data.eod-id or raise --model.vocab-size")
         if rank == 0 and data.tokenizer is not None and hasattr(data.tokenizer, "to_str"):
             _save_tokenizer(cfg.ckpt_dir, data.tokenizer)
         keys = batch_keys(cfg.data)
         loader = SampleLoader(data.train, cfg.batch_size, keys, dp_rank=dp_rank, dp_size=dp_size)
         val_batches, entropy = [], None
+        if cfg.eval_every and (data.val is None or len(data.val) == 0) and rank == 0:
+            print(f"data: no validation samples (--data.split {cfg.data.split} leaves the valid part empty): validation is skipped", flush=True)
         if cfg.eval_every and data.val is not None and len(data.val):
             full = sample_batches(data.val, cfg.batch_size, cfg.eval_iters or max(1, len(data.val) // cfg.batch_size), keys)
             entropy = unigram_entropy(torch.cat([b["input_ids"].reshape(-1) for b in full]).numpy(), vocab)
@@ -379,7 +387,7 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
             rec = {"step": step, "loss": stats.loss, "lm_loss": stats.losses.get("lm"), "balance_loss": stats.losses.get("balance", 0.0),
                    "mtp_loss": stats.losses.get("mtp", 0.0), "lr": lr, "grad_norm": stats.grad_norm, "tokens_per_s": tps,
                    "mfu": mfu(flops_per_token, tps, peak, dist_info.world_size)}
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if val_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
                 rec["val_loss"] = eval_loss(model, params, [{k: v.to(dist_info.device) for k, v in b.items()} for b in val_batches],
                                             cfg.precision)
             log.step(rec, val_entropy)
