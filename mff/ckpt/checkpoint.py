@@ -167,7 +167,8 @@ def _latest_name(root: Path) -> str | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (the owner of a temp file or folder is still writing it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -181,7 +182,7 @@ def remove_stale_tmp(root: Path, pattern: str = ".tmp-step_*-*") -> None:
     """Delete ``root/<pattern>`` dirs (named ``...-PID``) left by writers that died (their PID is gone)."""
     for p in root.glob(pattern):
         pid = p.name.rsplit("-", 1)[-1]
-        if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
 
 

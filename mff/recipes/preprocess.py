@@ -41,6 +41,7 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
+from mff.ckpt.checkpoint import pid_alive
 from mff.data.corpus import discover_files
 from mff.data.indexed import IndexedDatasetBuilder, best_dtype, bin_path, idx_path
 from mff.data.tiktoken_bpe import TiktokenEncoder, is_tiktoken_file
@@ -337,21 +338,11 @@ def _remove_stale_tmp(prefix: str) -> None:
     for name in os.listdir(folder):
         for suffix in (".bin.tmp-", ".idx.tmp-"):
             head, _, pid = name.partition(suffix)
-            if head == base and pid.isdigit() and not _alive(int(pid)):
+            if head == base and pid.isdigit() and not pid_alive(int(pid)):
                 try:
                     os.remove(os.path.join(folder, name))
                 except OSError:
                     pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessResult:
