@@ -15,14 +15,11 @@ from mff.data.blend import (
     samples_per_dataset,
 )
 from mff.data.gpt_dataset import GPTDataset, GPTDatasetConfig
-from mff.data.indexed import IndexedDatasetBuilder
+from tests.data_util import write_indexed
 
 
 def _write(prefix, docs):
-    b = IndexedDatasetBuilder(str(prefix), np.uint16)
-    for d in docs:
-        b.add_document(d)
-    b.finalize()
+    write_indexed(prefix, docs)
     return str(prefix)
 
 

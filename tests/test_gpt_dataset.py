@@ -18,22 +18,13 @@ from mff.data.gpt_dataset import (
     parse_split,
     split_ranges,
 )
-from mff.data.indexed import IndexedDataset, IndexedDatasetBuilder
-
-
-def _write(prefix, docs, dtype=np.uint16):
-    b = IndexedDatasetBuilder(str(prefix), dtype)
-    for d in docs:
-        b.add_document(d)
-    b.finalize()
-    return IndexedDataset(str(prefix))
-
+from tests.data_util import write_indexed
 
 STREAM_DOCS = [[10, 11, 99], [20, 21, 99], [30, 31, 32, 99]]
 
 
 def test_stream_samples_in_order(tmp_path):
-    ds = GPTDataset(_write(tmp_path / "s", STREAM_DOCS), np.arange(3), None, GPTDatasetConfig(seq_len=4, shuffle=False))
+    ds = GPTDataset(write_indexed(tmp_path / "s", STREAM_DOCS), np.arange(3), None, GPTDatasetConfig(seq_len=4, shuffle=False))
     assert len(ds) == 2  # (10 tokens - 1) // 4
     assert ds.tokens(0).tolist() == [10, 11, 99, 20, 21]
     assert ds.tokens(1).tolist() == [21, 99, 30, 31, 32]
@@ -48,7 +39,7 @@ def test_stream_samples_in_order(tmp_path):
 def test_reset_positions_attention_and_eod_loss_mask(tmp_path):
     cfg = GPTDatasetConfig(seq_len=4, shuffle=False, eod_id=99, reset_position_ids=True,
                            reset_attention_mask=True, eod_mask_loss=True)
-    ds = GPTDataset(_write(tmp_path / "s", STREAM_DOCS), np.arange(3), None, cfg)
+    ds = GPTDataset(write_indexed(tmp_path / "s", STREAM_DOCS), np.arange(3), None, cfg)
     ex = ds[0]
     assert ex["position_ids"].tolist() == [0, 1, 2, 0]
     doc = ex["document_ids"]
@@ -65,11 +56,11 @@ def test_reset_positions_attention_and_eod_loss_mask(tmp_path):
 
 def test_options_need_eod_id(tmp_path):
     with pytest.raises(ValueError, match="need eod_id"):
-        GPTDataset(_write(tmp_path / "s", STREAM_DOCS), np.arange(3), None, GPTDatasetConfig(seq_len=4, eod_mask_loss=True))
+        GPTDataset(write_indexed(tmp_path / "s", STREAM_DOCS), np.arange(3), None, GPTDatasetConfig(seq_len=4, eod_mask_loss=True))
 
 
 def test_sample_out_of_range(tmp_path):
-    ds = GPTDataset(_write(tmp_path / "s", STREAM_DOCS), np.arange(3), None, GPTDatasetConfig(seq_len=4, shuffle=False))
+    ds = GPTDataset(write_indexed(tmp_path / "s", STREAM_DOCS), np.arange(3), None, GPTDatasetConfig(seq_len=4, shuffle=False))
     with pytest.raises(IndexError, match="sample 2 out of range for 2 train samples"):
         ds[2]
 
@@ -152,7 +143,7 @@ def test_indices_equal_megatron(tmp_path, num_samples):
 
 def test_first_sample_equals_megatron(tmp_path):
     cfg = GPTDatasetConfig(seq_len=4, split="1,0,0")
-    train = build_gpt_datasets(str(_write(tmp_path / "c", _six_docs()).prefix), (3, 0, 0), cfg)[0]
+    train = build_gpt_datasets(str(write_indexed(tmp_path / "c", _six_docs()).prefix), (3, 0, 0), cfg)[0]
     assert train.tokens(0).tolist() == [300, 1, 200, 201, 202]
     train7 = build_gpt_datasets(str(tmp_path / "c"), (7, 0, 0), cfg)[0]
     assert train7.tokens(0).tolist() == [202, 203, 1, 600, 601]
@@ -217,7 +208,7 @@ def test_bad_split(bad, match):
 
 def test_build_gpt_datasets_splits_by_document(tmp_path):
     docs = [[i, i, 99] for i in range(2, 12)]
-    train, valid, test = build_gpt_datasets(str(_write(tmp_path / "c", docs).prefix), (None, None, None),
+    train, valid, test = build_gpt_datasets(str(write_indexed(tmp_path / "c", docs).prefix), (None, None, None),
                                             GPTDatasetConfig(seq_len=2, split="6,3,1", shuffle=False))
     assert train.documents.tolist() == list(range(6))
     assert valid.documents.tolist() == [6, 7, 8] and test.documents.tolist() == [9]
@@ -226,7 +217,7 @@ def test_build_gpt_datasets_splits_by_document(tmp_path):
 
 
 def test_samples_from_an_empty_split(tmp_path):
-    prefix = str(_write(tmp_path / "c", [[1, 2, 3]] * 10).prefix)
+    prefix = str(write_indexed(tmp_path / "c", [[1, 2, 3]] * 10).prefix)
     cfg = GPTDatasetConfig(seq_len=2, split="969,30,1")
     assert len(build_gpt_datasets(prefix, (None, None, None), cfg)[2]) == 0
     with pytest.raises(ValueError, match=r"the test split of .*c \(0 of 10 documents, --split '969,30,1'\) holds no token"):
@@ -237,7 +228,7 @@ def test_samples_from_an_empty_split(tmp_path):
 
 
 def test_indices_are_cached_and_reused(tmp_path, monkeypatch):
-    ix = _write(tmp_path / "c", _six_docs())
+    ix = write_indexed(tmp_path / "c", _six_docs())
     cfg = GPTDatasetConfig(seq_len=4, split="1,0,0")
     first = GPTDataset(ix, np.arange(6), 7, cfg)
     paths = first.cache_paths()
@@ -258,7 +249,7 @@ def test_indices_are_cached_and_reused(tmp_path, monkeypatch):
 
 
 def test_cache_off_and_cache_dir(tmp_path):
-    ix = _write(tmp_path / "c", _six_docs())
+    ix = write_indexed(tmp_path / "c", _six_docs())
     GPTDataset(ix, np.arange(6), 3, GPTDatasetConfig(seq_len=4, cache=False))
     assert not os.path.exists(tmp_path / "c")
     ds = GPTDataset(ix, np.arange(6), 3, GPTDatasetConfig(seq_len=4, cache_dir=str(tmp_path / "idx")))
@@ -266,7 +257,7 @@ def test_cache_off_and_cache_dir(tmp_path):
 
 
 def test_broken_cache_entry_is_rebuilt(tmp_path):
-    ix = _write(tmp_path / "c", _six_docs())
+    ix = write_indexed(tmp_path / "c", _six_docs())
     cfg = GPTDatasetConfig(seq_len=4)
     paths = GPTDataset(ix, np.arange(6), 3, cfg).cache_paths()
     with open(paths["shuffle_index"], "wb") as fh:
@@ -275,7 +266,7 @@ def test_broken_cache_entry_is_rebuilt(tmp_path):
 
 
 def test_unwritable_cache_warns(tmp_path):
-    ix = _write(tmp_path / "c", _six_docs())
+    ix = write_indexed(tmp_path / "c", _six_docs())
     (tmp_path / "file").write_text("x")
     with pytest.warns(UserWarning, match="could not cache the indices"):
         ds = GPTDataset(ix, np.arange(6), 3, GPTDatasetConfig(seq_len=4, cache_dir=str(tmp_path / "file" / "sub")))

@@ -9,18 +9,11 @@ import numpy as np
 import pytest
 
 from mff.data.indexed import DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder, best_dtype
-
-
-def _write(prefix, docs, dtype=np.uint16):
-    b = IndexedDatasetBuilder(str(prefix), dtype)
-    for d in docs:
-        b.add_document(d)
-    b.finalize()
-    return IndexedDataset(str(prefix))
+from tests.data_util import write_indexed
 
 
 def test_two_documents_layout(tmp_path):
-    ds = _write(tmp_path / "d", [[5, 6, 7, 0], [8, 0]])
+    ds = write_indexed(tmp_path / "d", [[5, 6, 7, 0], [8, 0]])
     assert ds.sequence_lengths.tolist() == [4, 2]
     assert ds.sequence_pointers.tolist() == [0, 8]
     assert ds.document_indices.tolist() == [0, 1, 2]
@@ -34,7 +27,7 @@ def test_two_documents_layout(tmp_path):
 
 
 def test_idx_bytes_exact(tmp_path):
-    _write(tmp_path / "d", [[5, 6, 7, 0], [8, 0]])
+    write_indexed(tmp_path / "d", [[5, 6, 7, 0], [8, 0]])
     expected = (
         b"MMIDIDX\x00\x00"
         + struct.pack("<Q", 1)  # version
@@ -53,7 +46,7 @@ def test_idx_bytes_exact(tmp_path):
 def test_every_dtype_round_trips(tmp_path, code):
     dtype = DTYPE_CODES[code]
     docs = [np.arange(5, dtype=dtype), np.array([], dtype=dtype), np.arange(3, dtype=dtype) + 1]
-    ds = _write(tmp_path / "d", docs, dtype)
+    ds = write_indexed(tmp_path / "d", docs, dtype)
     assert (tmp_path / "d.idx").read_bytes()[17] == code
     assert ds.dtype == dtype
     for i, d in enumerate(docs):
@@ -69,14 +62,14 @@ def test_best_dtype():
 
 
 def test_empty_dataset(tmp_path):
-    ds = _write(tmp_path / "e", [])
+    ds = write_indexed(tmp_path / "e", [])
     assert len(ds) == 0 and ds.document_indices.tolist() == [0]
     with pytest.raises(IndexError):
         ds[0]
 
 
 def test_get_out_of_range(tmp_path):
-    ds = _write(tmp_path / "d", [[1, 2, 3]])
+    ds = write_indexed(tmp_path / "d", [[1, 2, 3]])
     with pytest.raises(IndexError, match="sequence 1 out of range"):
         ds[1]
     with pytest.raises(IndexError, match=r"tokens \[2, 4\) are outside sequence 0 of length 3"):
@@ -99,7 +92,7 @@ def test_unfinished_builder_leaves_nothing(tmp_path):
 
 
 def test_failed_build_keeps_previous_pair(tmp_path):
-    _write(tmp_path / "d", [[1, 2, 3]])
+    write_indexed(tmp_path / "d", [[1, 2, 3]])
     before = {p: (tmp_path / p).read_bytes() for p in ("d.bin", "d.idx")}
     with pytest.raises(RuntimeError):
         with IndexedDatasetBuilder(str(tmp_path / "d"), np.uint16) as b:
@@ -110,7 +103,7 @@ def test_failed_build_keeps_previous_pair(tmp_path):
 
 
 def test_crash_between_renames_never_pairs_idx_with_wrong_bin(tmp_path, monkeypatch):
-    _write(tmp_path / "d", [[1, 2, 3]])
+    write_indexed(tmp_path / "d", [[1, 2, 3]])
     real_replace = os.replace
 
     def replace(src, dst):
@@ -128,8 +121,8 @@ def test_crash_between_renames_never_pairs_idx_with_wrong_bin(tmp_path, monkeypa
 
 
 def test_finalize_replaces_previous_pair(tmp_path):
-    _write(tmp_path / "d", [[1, 2, 3]])
-    ds = _write(tmp_path / "d", [[4], [5, 6]])
+    write_indexed(tmp_path / "d", [[1, 2, 3]])
+    ds = write_indexed(tmp_path / "d", [[4], [5, 6]])
     assert [ds[i].tolist() for i in range(len(ds))] == [[4], [5, 6]]
 
 
@@ -138,7 +131,7 @@ def test_finalize_replaces_previous_pair(tmp_path):
 
 @pytest.fixture
 def pair(tmp_path):
-    _write(tmp_path / "d", [[5, 6, 7, 0], [8, 0]])
+    write_indexed(tmp_path / "d", [[5, 6, 7, 0], [8, 0]])
     return tmp_path / "d"
 
 
@@ -188,7 +181,7 @@ def test_truncated_bin(pair):
 
 
 def test_bin_of_another_idx(pair, tmp_path):
-    _write(tmp_path / "other", [[1, 2, 3, 4, 5, 6, 7]])
+    write_indexed(tmp_path / "other", [[1, 2, 3, 4, 5, 6, 7]])
     os.replace(tmp_path / "other.bin", f"{pair}.bin")
     with pytest.raises(ValueError, match=r"d\.bin has 14 bytes but .*d\.idx describes 12; the \.bin and \.idx are not a pair"):
         IndexedDataset(str(pair))

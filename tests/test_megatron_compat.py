@@ -28,10 +28,11 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder as MInd
 
 from mff.data.blend import build_blended_gpt_datasets, build_blending_indices  # noqa: E402
 from mff.data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets  # noqa: E402
-from mff.data.indexed import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from mff.data.indexed import IndexedDataset  # noqa: E402
 
 EOD = 1
 VOCAB = 1000
+from tests.data_util import write_indexed
 
 
 class _Tokenizer:
@@ -53,10 +54,7 @@ def _docs(seed, n, max_len=40):
 
 
 def _write(prefix, docs):
-    b = IndexedDatasetBuilder(str(prefix), np.uint16)
-    for d in docs:
-        b.add_document(d)
-    b.finalize()
+    write_indexed(prefix, docs)
 
 
 def _mconfig(tmp_path, blend, seq_len, seed, split="969,30,1", flags=False, cache=True):

@@ -13,17 +13,14 @@ import pytest
 import torch
 
 from mff.data.config import DataConfig
-from mff.data.indexed import IndexedDatasetBuilder
 from mff.data.megatron_source import SampleLoader, as_blend, batch_keys, build_megatron_data
 from mff.data.tokenizer import train_bpe
 from tests.cli_util import ROOT, make_corpus, run_cli, tiny_args
+from tests.data_util import write_indexed
 
 
 def _write(prefix, docs, eod=0):
-    b = IndexedDatasetBuilder(str(prefix), "uint16")
-    for d in docs:
-        b.add_document(list(d) + [eod])
-    b.finalize()
+    write_indexed(prefix, [list(d) + [eod] for d in docs])
 
 
 @pytest.mark.parametrize("built", [8, 5])
