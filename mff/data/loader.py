@@ -22,6 +22,31 @@ def _to_torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
+def check_batch_split(batch_size: int, dp_rank: int, dp_size: int) -> None:
+    """Raise ValueError unless ``batch_size`` >= 1 divides evenly over ``dp_size`` >= 1 ranks and
+    ``0 <= dp_rank < dp_size`` (the message names the bad values)."""
+    if batch_size < 1:
+        raise ValueError(f"data: batch_size must be >= 1, got {batch_size}")
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data: need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+    if batch_size % dp_size:
+        raise ValueError(f"data: batch_size {batch_size} is not divisible by dp_size {dp_size}")
+
+
+def eval_bounds(n: int, batch_size: int, n_batches: int) -> list[tuple[int, int]]:
+    """Row ranges of the first `n_batches` whole batches of `n` items in order, at most
+    ``n // batch_size`` of them; fewer than `batch_size` items give one batch of all of them.
+
+    Raises:
+        ValueError: `batch_size` or `n_batches` < 1.
+    """
+    if batch_size < 1 or n_batches < 1:
+        raise ValueError(f"data: batch_size and n_batches must be >= 1, got {batch_size} and {n_batches}")
+    if n < batch_size:
+        return [(0, n)]
+    return [(i * batch_size, (i + 1) * batch_size) for i in range(min(n_batches, n // batch_size))]
+
+
 class Loader:
     """Global batches of training examples in a seeded, epoch-wrapping order.
 
@@ -47,12 +72,7 @@ class Loader:
         dp_rank: int = 0,
         dp_size: int = 1,
     ):
-        if batch_size < 1:
-            raise ValueError(f"data: batch_size must be >= 1, got {batch_size}")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"data: need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
-        if batch_size % dp_size:
-            raise ValueError(f"data: batch_size {batch_size} is not divisible by dp_size {dp_size}")
+        check_batch_split(batch_size, dp_rank, dp_size)
         self.data = data
         self.batch_size = int(batch_size)
         self.seed = int(seed)
@@ -186,13 +206,7 @@ def eval_batches(data: PackedTokens, batch_size: int, n_batches: int) -> list[di
     Raises:
         ValueError: `batch_size` or `n_batches` < 1.
     """
-    if batch_size < 1 or n_batches < 1:
-        raise ValueError(f"data: batch_size and n_batches must be >= 1, got {batch_size} and {n_batches}")
-    n = len(data)
-    if n < batch_size:
-        bounds = [(0, n)]
-    else:
-        bounds = [(i * batch_size, (i + 1) * batch_size) for i in range(min(n_batches, n // batch_size))]
+    bounds = eval_bounds(len(data), batch_size, n_batches)
     return [
         _to_torch(windows_to_examples(data.windows(np.arange(a, b)), data.eod_id)) for a, b in bounds
     ]

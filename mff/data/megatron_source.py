@@ -27,6 +27,7 @@ from .blend import Blend, build_blended_gpt_datasets, parse_blend
 from .config import DataConfig
 from .gpt_dataset import GPTDatasetConfig
 from .indexed import IndexedDataset, bin_path, idx_path
+from .loader import check_batch_split, eval_bounds
 from .tokenizer import find_eod_id, load_tokenizer
 
 __all__ = ["MegatronData", "SampleLoader", "as_blend", "batch_keys", "build_megatron_data", "sample_batches"]
@@ -180,9 +181,7 @@ class SampleLoader:
     """
 
     def __init__(self, samples, batch_size: int, keys: Sequence[str] = ("input_ids", "labels"), dp_rank: int = 0, dp_size: int = 1):
-        if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or batch_size % dp_size:
-            raise ValueError(f"data: need batch_size >= 1 divisible by dp_size and 0 <= dp_rank < dp_size; got batch_size={batch_size}, "
-                             f"dp_rank={dp_rank}, dp_size={dp_size}")
+        check_batch_split(batch_size, dp_rank, dp_size)
         if len(samples) == 0:
             raise ValueError("data: the training dataset has no samples")
         self.samples = samples
@@ -230,10 +229,7 @@ def sample_batches(samples, batch_size: int, n_batches: int, keys: Sequence[str]
     Raises:
         ValueError: ``batch_size`` or ``n_batches`` < 1, or no samples.
     """
-    if batch_size < 1 or n_batches < 1:
-        raise ValueError(f"data: batch_size and n_batches must be >= 1, got {batch_size} and {n_batches}")
-    n = len(samples)
-    if n == 0:
+    bounds = eval_bounds(len(samples), batch_size, n_batches)
+    if len(samples) == 0:
         raise ValueError("data: the validation split has no samples; lower --eval-every to 0 or change --data.split")
-    bounds = [(0, n)] if n < batch_size else [(i * batch_size, (i + 1) * batch_size) for i in range(min(n_batches, n // batch_size))]
     return [_stack([samples[i] for i in range(a, e)], keys) for a, e in bounds]

@@ -279,6 +279,11 @@ def _apply_init(params, loaded, where: str):
     return params
 
 
+def _check_vocab(tokenizer_vocab: int | None, model_vocab: int) -> None:
+    if tokenizer_vocab is not None and tokenizer_vocab > model_vocab:
+        raise ValueError(f"the tokenizer has {tokenizer_vocab} tokens but the model's vocab_size is {model_vocab}; raise --model.vocab-size")
+
+
 def _data(cfg: PretrainConfig, model, dp_rank: int, dp_size: int, rank: int):
     """The training loader, this rank's validation batches, the validation unigram entropy and
     a summary line, from raw corpus files (tokenized and cached here) or from Megatron indexed
@@ -287,8 +292,7 @@ def _data(cfg: PretrainConfig, model, dp_rank: int, dp_size: int, rank: int):
     blend = as_blend(cfg.data.path)
     if blend is not None:
         data = build_megatron_data(cfg.data, blend, cfg.seq_len, cfg.seed, cfg.steps * cfg.batch_size, quiet=rank != 0)
-        if data.vocab_size is not None and data.vocab_size > vocab:
-            raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {vocab}; raise --model.vocab-size")
+        _check_vocab(data.vocab_size, vocab)
         if data.eod_id is not None and data.eod_id >= vocab:
             raise ValueError(f"the EOD id {data.eod_id} is outside the model's vocabulary [0, {vocab}); check --data.eod-id or raise --model.vocab-size")
         if rank == 0 and data.tokenizer is not None and hasattr(data.tokenizer, "to_str"):
@@ -306,8 +310,7 @@ def _data(cfg: PretrainConfig, model, dp_rank: int, dp_size: int, rank: int):
                 f"{cfg.seq_len + 1} tokens; EOD id {data.eod_id}")
         return loader, val_batches, entropy, line
     data = build_pretrain_data(cfg.data, cfg.seq_len, quiet=rank != 0)
-    if data.vocab_size > vocab:
-        raise ValueError(f"the tokenizer has {data.vocab_size} tokens but the model's vocab_size is {vocab}; raise --model.vocab-size")
+    _check_vocab(data.vocab_size, vocab)
     if rank == 0:
         _save_tokenizer(cfg.ckpt_dir, data.tokenizer)
     loader = Loader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
