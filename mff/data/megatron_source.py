@@ -25,7 +25,7 @@ import torch
 
 from .blend import Blend, build_blended_gpt_datasets, parse_blend
 from .config import DataConfig
-from .gpt_dataset import GPTDatasetConfig
+from .gpt_dataset import GPTDatasetConfig, split_ranges
 from .indexed import IndexedDataset, bin_path, idx_path
 from .loader import check_batch_split, eval_bounds
 from .tokenizer import find_eod_id, load_tokenizer
@@ -100,8 +100,14 @@ class MegatronData:
 
 
 def _one_pass(prefix: str, cfg: GPTDatasetConfig) -> int:
-    ds = build_blended_gpt_datasets(prefix, (0, None, 0), cfg)[1]
-    return len(ds) if ds is not None else 0
+    """Samples in one pass of ``prefix``'s valid split: ``(tokens - 1) // seq_len`` (each sample
+    takes seq_len + 1 tokens, consecutive ones sharing one), counted from the sequence lengths
+    without building any index."""
+    ds = IndexedDataset(prefix)
+    rng = split_ranges(cfg.split, len(ds))[1]
+    if rng is None:
+        return 0
+    return max(0, (int(ds.sequence_lengths[rng[0]:rng[1]].sum()) - 1) // cfg.seq_len)
 
 
 def build_megatron_data(cfg: DataConfig, blend: Blend, seq_len: int, seed: int, train_samples: int, quiet: bool = False) -> MegatronData:
