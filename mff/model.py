@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mff.nn.blocks import BlockExecution
-from mff.parallel.sharding import DEFAULT_AXIS_MAP, ShardingTable, shard_params
+from mff.parallel.sharding import DEFAULT_AXIS_MAP, AxisMap, ShardingTable, shard_params
 from mff.tree import first_match, matches
 
 __all__ = ["Output", "Family", "Model", "BATCH_KEYS", "path_seed"]
@@ -156,7 +156,7 @@ class Model:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         mesh: DeviceMesh | None = None,
-        axis_map: Mapping[str, str | None] = DEFAULT_AXIS_MAP,
+        axis_map: AxisMap = DEFAULT_AXIS_MAP,
     ) -> dict[str, torch.Tensor]:
         """Fresh params from the family's init table, deterministic per (seed, path).
 

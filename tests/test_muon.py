@@ -200,14 +200,14 @@ def test_dtensor_params_on_size1_mesh_match_plain(dist1):
     mesh = dist1
     R = Replicate()
     placements = {
-        "model.embed_tokens.weight": (R, Shard(0), R),
-        "model.layers.0.input_layernorm.weight": (R, R, R),
-        "model.layers.0.self_attn.q_proj.weight": (R, Shard(1), R),  # a matrix dim: gathered
-        "model.layers.0.mlp.experts.gate_up_proj": (R, Shard(0), R),  # the expert dim: local
-        "model.layers.0.mlp.gate.e_score_correction_bias": (R, R, R),
-        "model.layers.1.embed_tokens.weight": (R, Shard(0), R),
-        "model.layers.1.shared_head.head.weight": (R, Shard(0), R),
-        "lm_head.weight": (Shard(0), R, R),
+        "model.embed_tokens.weight": (R, Shard(0), R, R),
+        "model.layers.0.input_layernorm.weight": (R, R, R, R),
+        "model.layers.0.self_attn.q_proj.weight": (R, Shard(1), R, R),  # a matrix dim: gathered
+        "model.layers.0.mlp.experts.gate_up_proj": (R, Shard(0), R, R),  # the expert dim: local
+        "model.layers.0.mlp.gate.e_score_correction_bias": (R, R, R, R),
+        "model.layers.1.embed_tokens.weight": (R, Shard(0), R, R),
+        "model.layers.1.shared_head.head.weight": (R, Shard(0), R, R),
+        "lm_head.weight": (Shard(0), R, R, R),
     }
     plain = _model_params()
     sharded = {k: distribute_tensor(v.detach(), mesh, placements[k]).requires_grad_(v.requires_grad) for k, v in plain.items()}

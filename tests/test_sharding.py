@@ -13,7 +13,7 @@ from mff.parallel import ParallelConfig, mesh_shape, resolve_placements
 class FakeMesh:
     """Just the DeviceMesh surface resolve_placements reads."""
 
-    mesh_dim_names = ("dp_replicate", "dp_shard", "tp")
+    mesh_dim_names = ("dp_replicate", "dp_shard", "ep", "tp")
 
     def __init__(self, *shape):
         self.shape = shape
@@ -27,37 +27,54 @@ TABLE = [("model.embed_tokens.weight", ("vocab", "embed")), ("**.norm.weight", (
 
 
 def test_size_one_axes_replicate():
-    assert resolve_placements("model.embed_tokens.weight", (10, 8), TABLE, FakeMesh(1, 1, 1)) == (Replicate(),) * 3
+    assert resolve_placements("model.embed_tokens.weight", (10, 8), TABLE, FakeMesh(1, 1, 1, 1)) == (Replicate(),) * 4
 
 
 def test_fsdp_shards_the_embed_dim():
-    assert resolve_placements("model.embed_tokens.weight", (10, 8), TABLE, FakeMesh(1, 2, 1)) == (Replicate(), Shard(1), Replicate())
+    assert resolve_placements("model.embed_tokens.weight", (10, 8), TABLE, FakeMesh(1, 2, 1, 1)) == (Replicate(), Shard(1), Replicate(), Replicate())
+
+
+def test_ep_nests_the_dense_fsdp_shard_and_splits_experts():
+    table = TABLE + [("**.experts.gate_up_proj", ("expert", "mlp", "embed"))]
+    mesh = FakeMesh(1, 2, 2, 1)
+    assert resolve_placements("model.norm.weight", (8,), table, mesh) == (Replicate(), Shard(0), Shard(0), Replicate())
+    assert resolve_placements("model.layers.1.mlp.experts.gate_up_proj", (4, 6, 8), table, mesh) == (
+        Replicate(), Shard(2), Shard(0), Replicate())
+    with pytest.raises(ValueError, match=r"dim 0 of size 6 \(embed\) does not divide mesh axes dp_shard 2 x ep 2 = 4"):
+        resolve_placements("model.norm.weight", (6,), table, mesh)
 
 
 def test_errors_name_param_dim_and_sizes():
-    with pytest.raises(ValueError, match=r"'model.norm.weight': dim 0 of size 7 .* mesh axis 'dp_shard' of size 2"):
-        resolve_placements("model.norm.weight", (7,), TABLE, FakeMesh(1, 2, 1))
+    with pytest.raises(ValueError, match=r"'model.norm.weight': dim 0 of size 7 \(embed\) does not divide mesh axes dp_shard 2 = 2"):
+        resolve_placements("model.norm.weight", (7,), TABLE, FakeMesh(1, 2, 1, 1))
     with pytest.raises(ValueError, match="no row of the sharding table matches"):
-        resolve_placements("lm_head.weight", (10, 8), TABLE, FakeMesh(1, 1, 1))
+        resolve_placements("lm_head.weight", (10, 8), TABLE, FakeMesh(1, 1, 1, 1))
     with pytest.raises(ValueError, match="has 2 dims"):
-        resolve_placements("model.norm.weight", (4, 4), TABLE, FakeMesh(1, 1, 1))
+        resolve_placements("model.norm.weight", (4, 4), TABLE, FakeMesh(1, 1, 1, 1))
 
 
 @pytest.mark.parametrize("size", ["tiny", "v3-671b"])
 def test_every_deepseek3_param_has_a_rule(size):
     model = mff.build("deepseek3", size=size)
-    mesh = FakeMesh(1, 8, 1)
+    mesh = FakeMesh(1, 8, 1, 1)
     for path, shape in model.param_shapes().items():
         resolve_placements(path, shape, model.family.sharding_table, mesh)
 
 
 def test_mesh_shape_rules():
-    assert mesh_shape(ParallelConfig(), 4) == (1, 4, 1)
-    assert mesh_shape(ParallelConfig(dp_replicate=2), 4) == (2, 2, 1)
+    assert mesh_shape(ParallelConfig(), 4) == (1, 4, 1, 1)
+    assert mesh_shape(ParallelConfig(dp_replicate=2), 4) == (2, 2, 1, 1)
+    assert mesh_shape(ParallelConfig(tp=2), 4) == (1, 2, 1, 2)
+    assert mesh_shape(ParallelConfig(ep=2, dp_shard=2), 4) == (1, 2, 2, 1)
     with pytest.raises(ValueError, match="WORLD_SIZE is 4"):
         mesh_shape(ParallelConfig(dp_shard=3), 4)
-    with pytest.raises(ValueError, match="not supported yet"):
-        mesh_shape(ParallelConfig(tp=2), 2)
+    with pytest.raises(ValueError, match=r"dp_replicate 1 x dp_shard 2 x ep 1 x tp 2 = 4 processes, but WORLD_SIZE is 2"):
+        mesh_shape(ParallelConfig(dp_shard=2, tp=2), 2)
+    with pytest.raises(ValueError, match="not divisible by dp_replicate 1 x ep 1 x tp 3"):
+        mesh_shape(ParallelConfig(tp=3), 4)
+    for name in ("pp", "cp"):
+        with pytest.raises(ValueError, match=f"--parallel.{name} 2: .* parallelism is not supported yet"):
+            mesh_shape(ParallelConfig(**{name: 2}), 2)
 
 
 def test_dtensor_params_give_same_logits_and_matching_grad_placements(dist1):

@@ -1,7 +1,7 @@
 """Parallelism on torch.distributed: the mesh, sharding tables -> DTensor placements, gather-on-use."""
 
-from mff.parallel.gather import DATA_AXES, gather
-from mff.parallel.mesh import MESH_AXES, ParallelConfig, build_mesh, mesh_shape
+from mff.parallel.gather import gather
+from mff.parallel.mesh import DATA_AXES, MESH_AXES, ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size, mesh_shape
 from mff.parallel.sharding import (
     DEFAULT_AXIS_MAP,
     placements_of,
@@ -15,6 +15,8 @@ __all__ = [
     "MESH_AXES",
     "ParallelConfig",
     "build_mesh",
+    "data_parallel_rank",
+    "data_parallel_size",
     "gather",
     "mesh_shape",
     "placements_of",

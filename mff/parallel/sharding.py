@@ -5,12 +5,17 @@ Rules (first matching row wins; see ``mff.tree`` for the pattern syntax):
 - a param that no row matches is an error;
 - a row whose number of logical axes differs from the param's ndim is an error;
 - ``Shard`` on a mesh axis of size 1 is ``Replicate``;
-- a dim whose size does not divide its mesh axis is an error naming the param, dim and sizes;
-- a mesh axis shards at most one dim of a param (the first dim mapped to it).
+- a logical axis may map to several mesh axes: the dim is then split over all of them, outer
+  axis first (dense params' ``embed`` dim is FSDP-sharded over ``dp_shard`` and ``ep``);
+- a dim whose size does not divide the product of its mesh axes is an error naming the param,
+  the dim and the sizes;
+- a mesh axis shards at most one dim of a param (the first dim mapped to it): a stacked expert
+  tensor's ``expert`` dim takes ``ep``, so its ``embed`` dim is split over ``dp_shard`` only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -25,18 +30,21 @@ from torch.distributed.tensor import (
 
 from mff.tree import first_match
 
-__all__ = ["ShardingTable", "DEFAULT_AXIS_MAP", "resolve_placements", "shard_params", "placements_of", "describe_placement"]
+__all__ = ["ShardingTable", "AxisMap", "DEFAULT_AXIS_MAP", "resolve_placements", "shard_params", "placements_of", "describe_placement"]
 
 ShardingTable = Sequence[tuple[str, tuple[str | None, ...]]]
 
-DEFAULT_AXIS_MAP: Mapping[str, str | None] = {
-    "embed": "dp_shard",
+AxisMap = Mapping[str, "str | tuple[str, ...] | None"]
+
+DEFAULT_AXIS_MAP: AxisMap = {
+    "embed": ("dp_shard", "ep"),
     "vocab": "tp",
     "heads": "tp",
     "mlp": "tp",
-    "expert": None,
+    "expert": "ep",
 }
-"""Logical axis -> mesh axis (None = never sharded). ``embed`` (the hidden dim) is the dim FSDP splits."""
+"""Logical axis -> mesh axis or axes (None = never sharded). ``embed`` (the hidden dim) is the
+dim FSDP splits; ``expert`` the stacked-expert dim EP splits."""
 
 
 def resolve_placements(
@@ -44,7 +52,7 @@ def resolve_placements(
     shape: Sequence[int],
     table: ShardingTable,
     mesh: DeviceMesh,
-    axis_map: Mapping[str, str | None] = DEFAULT_AXIS_MAP,
+    axis_map: AxisMap = DEFAULT_AXIS_MAP,
 ) -> tuple[Placement, ...]:
     """Placements of param ``path`` (global ``shape``) on ``mesh``: one per mesh axis.
 
@@ -65,18 +73,20 @@ def resolve_placements(
             continue
         if logical not in axis_map:
             raise ValueError(f"param {path!r}: logical axis {logical!r} (row {pattern!r}) is not in the axis map {sorted(axis_map)}")
-        mesh_axis = axis_map[logical]
-        if mesh_axis is None or mesh_axis not in names:
+        mapped = axis_map[logical]
+        mesh_axes = (mapped,) if isinstance(mapped, str) else tuple(mapped or ())
+        use = [names.index(a) for a in mesh_axes
+               if a in names and mesh.size(names.index(a)) > 1 and not isinstance(placements[names.index(a)], Shard)]
+        if not use:
             continue
-        i = names.index(mesh_axis)
-        size = mesh.size(i)
-        if size == 1 or isinstance(placements[i], Shard):
-            continue
-        if shape[dim] % size:
+        total = math.prod(mesh.size(i) for i in use)
+        if shape[dim] % total:
+            sizes = " x ".join(f"{names[i]} {mesh.size(i)}" for i in use)
             raise ValueError(
-                f"param {path!r}: dim {dim} of size {shape[dim]} ({logical}) does not divide mesh axis {mesh_axis!r} of size {size}"
+                f"param {path!r}: dim {dim} of size {shape[dim]} ({logical}) does not divide mesh axes {sizes} = {total}"
             )
-        placements[i] = Shard(dim)
+        for i in use:
+            placements[i] = Shard(dim)
     return tuple(placements)
 
 
@@ -84,7 +94,7 @@ def shard_params(
     params: Mapping[str, torch.Tensor],
     table: ShardingTable,
     mesh: DeviceMesh,
-    axis_map: Mapping[str, str | None] = DEFAULT_AXIS_MAP,
+    axis_map: AxisMap = DEFAULT_AXIS_MAP,
 ) -> dict[str, DTensor]:
     """Distribute full tensors (the same on every rank) into DTensors on ``mesh``.
 

@@ -41,7 +41,7 @@ from mff.nn.blocks import AC_MODES
 from mff.nn.moe import MoE
 from mff.optim import OptimConfig, init_state, lr_at
 from mff.optim.schedule import decay_steps_of
-from mff.parallel import ParallelConfig, build_mesh, placements_of
+from mff.parallel import ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size, placements_of
 from mff.recipes.common import (
     RunLog,
     check_resume_config,
@@ -326,13 +326,12 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     # backend -> mesh
     dist_info = init_distributed(resolve_device(cfg.device), cfg.parallel.timeout_s)
     mesh = build_mesh(dist_info.device_type, cfg.parallel, dist_info.world_size)
-    dp_size = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
-    dp_rank = mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
+    dp_size, dp_rank = data_parallel_size(mesh), data_parallel_rank(mesh)
     # model
     model = build(family, cfg.model).with_execution(cfg.ac, cfg.compile)
     _check(cfg, model, dp_size)
     _lock = ckpt.lock_dir(cfg.ckpt_dir) if dist_info.rank == 0 else None  # held until run() returns
-    mem = _memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size(), dp_size)
+    mem = _memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size() * mesh["ep"].size() * mesh["tp"].size(), dp_size)
     # data
     loader, val_batches, val_entropy, data_line = _data(cfg, model, dp_rank, dp_size, dist_info.rank)
     # params and optimizer, then resume
