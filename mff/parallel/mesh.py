@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MESH_AXES", "DATA_AXES", "ParallelConfig", "mesh_shape", "build_mesh", "data_parallel_size", "data_parallel_rank"]
+__all__ = ["MESH_AXES", "DATA_AXES", "ParallelConfig", "mesh_shape", "build_mesh", "data_parallel_size", "data_parallel_rank", "data_parallel_group"]
 
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
 DATA_AXES = ("dp_replicate", "dp_shard", "ep")
@@ -88,8 +88,24 @@ def mesh_shape(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int
 
 
 def build_mesh(device_type: str, cfg: ParallelConfig, world_size: int) -> DeviceMesh:
-    """The DeviceMesh with axes :data:`MESH_AXES` (the process group must be initialised)."""
-    return init_device_mesh(device_type, mesh_shape(cfg, world_size), mesh_dim_names=MESH_AXES)
+    """The DeviceMesh with axes :data:`MESH_AXES` (the process group must be initialised).
+
+    The :data:`DATA_AXES` are also flattened into a 1-D mesh named ``dp``, whose group sums the per-rank counts, losses and expert loads (see :func:`data_parallel_group`).
+    """
+    mesh = init_device_mesh(device_type, mesh_shape(cfg, world_size), mesh_dim_names=MESH_AXES)
+    _DP_MESH[mesh] = mesh[DATA_AXES]._flatten("dp")
+    return mesh
+
+
+_DP_MESH: dict[DeviceMesh, DeviceMesh] = {}
+
+
+def data_parallel_group(mesh: DeviceMesh | None):
+    """The process group of the ranks that read different tokens and share this rank's tensor-
+    parallel coordinate (made by :func:`build_mesh`); ``None`` (the default
+    group: every rank) for a mesh without it or no mesh (plain tensors in research code)."""
+    dp = _DP_MESH.get(mesh) if mesh is not None else None
+    return dp.get_group() if dp is not None else None
 
 
 def data_parallel_size(mesh: DeviceMesh) -> int:

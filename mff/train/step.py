@@ -27,6 +27,7 @@ from mff.nn.loss import count_targets
 from mff.optim.clip import clip_grads_
 from mff.optim.config import OptimConfig
 from mff.optim.optimizer import apply_update
+from mff.parallel.mesh import data_parallel_group
 from mff.train.precision import compute_params
 from mff.tree import flatten_with_paths
 
@@ -69,14 +70,22 @@ def check_finite(*trees: Mapping) -> None:
         raise NonFiniteError(f"{bad or 'a shard on another rank'} holds NaN or inf; not saving a checkpoint")
 
 
-def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
-def global_counts(model: Model, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Loss-term counts summed over ``micro_batches`` and all ranks (int64 0-d, on the CPU)."""
+def _dp_group(params: Mapping[str, torch.Tensor]):
+    """The data-parallel group of the params' mesh: counts, losses and loads are summed over
+    the ranks that read different tokens, not over tensor-parallel copies of the same ones."""
+    mesh = next((p.device_mesh for p in params.values() if isinstance(p, DTensor)), None)
+    return data_parallel_group(mesh)
+
+
+def global_counts(model: Model, micro_batches: Sequence[Mapping[str, torch.Tensor]], group=None) -> dict[str, torch.Tensor]:
+    """Loss-term counts summed over ``micro_batches`` and the ranks of ``group`` (default: all;
+    the step passes the data-parallel group) as int64 0-d CPU tensors."""
     total: dict[str, torch.Tensor] = {}
     for mb in micro_batches:
         for k, v in model.count_targets(mb).items():
@@ -84,7 +93,7 @@ def global_counts(model: Model, micro_batches: Sequence[Mapping[str, torch.Tenso
     if not total:
         return {}
     keys = sorted(total)
-    stacked = _all_reduce_sum(torch.stack([total[k] for k in keys]))
+    stacked = _all_reduce_sum(torch.stack([total[k] for k in keys]), group)
     return dict(zip(keys, stacked.unbind()))
 
 
@@ -128,7 +137,8 @@ def train_step(
         NonFiniteError: a non-finite loss or grad norm (checked before anything is updated).
         AssertionError: a gradient whose placements differ from its param's.
     """
-    counts = global_counts(model, micro_batches)
+    group = _dp_group(params)
+    counts = global_counts(model, micro_batches, group)
     names = [k for k, v in params.items() if v.requires_grad]
     leaves = [params[k] for k in names]
     grads: list[torch.Tensor] | None = None
@@ -153,7 +163,7 @@ def train_step(
             assert isinstance(g, DTensor) and g.placements == p.placements, f"grad of {name}: {getattr(g, 'placements', None)} != {p.placements}"
 
     keys = sorted(terms)
-    reduced = _all_reduce_sum(torch.stack([terms[k] for k in keys])) if keys else torch.zeros(0)
+    reduced = _all_reduce_sum(torch.stack([terms[k] for k in keys]), group) if keys else torch.zeros(0)
     losses = {k: float(v) for k, v in zip(keys, reduced)}
     loss = sum(losses.values())
     grad_map = dict(zip(names, grads))
@@ -162,9 +172,9 @@ def train_step(
         raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'}: loss={loss}, grad_norm={norm} ({losses})")
     apply_update(optim, params, grad_map, opt_state, lr)
     for k in sorted(loads):
-        loads[k] = _all_reduce_sum(loads[k])
+        loads[k] = _all_reduce_sum(loads[k], group)
     update_expert_bias(params, loads, bias_update_rate)
-    tokens_t = _all_reduce_sum(torch.tensor(tokens))
+    tokens_t = _all_reduce_sum(torch.tensor(tokens), group)
     return StepStats(loss=loss, losses=losses, grad_norm=norm, tokens=int(tokens_t), expert_load=loads)
 
 
@@ -180,5 +190,5 @@ def eval_loss(model: Model, params: Mapping[str, torch.Tensor], batches: Sequenc
         out = model.forward(compute, b, target_counts={k: n for k in model.count_targets(b)}, logits=False)
         total[0] += float(out.losses["lm"]) * float(n)
         total[1] += float(n)
-    total = _all_reduce_sum(total)
+    total = _all_reduce_sum(total, _dp_group(params))
     return float(total[0] / total[1].clamp(min=1))

@@ -1,0 +1,104 @@
+"""Run three fp32 AdamW training steps of tiny models on one parallel layout and save what the
+layout must not change: the losses, the grad norms and the final full params.
+
+    torchrun --nproc_per_node=N tests/layout_worker.py OUT.pt --families deepseek3,qwen3_moe --tp 2
+    python tests/layout_worker.py OUT.pt --families deepseek3          # the single-process reference
+
+Every rank builds the same global batch; each data-parallel rank takes its rows, in micro-batches
+of ``--micro-rows`` rows. The reference runs the same micro-batches one after the other (grad
+accumulation): a balance loss is computed per micro-batch (as Megatron's default), so only the
+same micro-batches give the same loss. Used by
+tests/test_dist_layouts.py (issue 5, acceptance 1-2); not a test itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mff  # noqa: E402
+from mff.backend import init_distributed  # noqa: E402
+from mff.models import get_family  # noqa: E402
+from mff.optim import OptimConfig, init_state  # noqa: E402
+from mff.parallel import ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size  # noqa: E402
+from mff.train.step import train_step  # noqa: E402
+
+STEPS = 3
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
+
+
+def tiny(family: str):
+    """A tiny config of ``family`` whose heads, KV heads, experts, hidden and vocab all divide 4."""
+    cfg = get_family(family).sizes["tiny"]
+    over = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    if family in ("deepseek3", "telechat3"):
+        over.update(intermediate_size=128, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, first_k_dense_replace=1,
+                    n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, num_nextn_predict_layers=1)
+    else:
+        over.update(intermediate_size=128, num_key_value_heads=2, head_dim=16)
+        if family in ("qwen3_moe", "glm4_moe"):
+            over.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    names = {f.name for f in dataclasses.fields(cfg)}
+    return mff.build(family, dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names}))
+
+
+def global_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def run(family: str, mesh, micro_rows: int) -> dict:
+    model = tiny(family)
+    params = model.init(seed=7, mesh=mesh)
+    optim = OptimConfig(lr=1e-3, max_grad_norm=1.0)
+    state = init_state(optim, params)
+    dp, rank = data_parallel_size(mesh), data_parallel_rank(mesh)
+    rows = GLOBAL_BATCH // dp
+    losses, norms = [], []
+    for step in range(STEPS):
+        b = global_batch(step)
+        mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()}
+        micro = [{k: v[i:i + micro_rows] for k, v in mine.items()} for i in range(0, rows, micro_rows)]
+        stats = train_step(model, params, state, micro, optim.lr, optim, bias_update_rate=1e-3)
+        losses.append(stats.loss)
+        norms.append(stats.grad_norm)
+    return {"losses": losses, "grad_norms": norms, "params": {k: full(v) for k, v in params.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--families", required=True)
+    ap.add_argument("--micro-rows", type=int, default=GLOBAL_BATCH)
+    for name in ("dp_replicate", "dp_shard", "tp", "ep"):
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=-1 if name == "dp_shard" else 1)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    info = init_distributed("cpu", 120.0)
+    mesh = build_mesh("cpu", ParallelConfig(dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, tp=a.tp, ep=a.ep), info.world_size)
+    result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
+    for family in a.families.split(","):
+        result[family] = run(family, mesh, a.micro_rows)
+    if info.rank == 0:
+        tmp = a.out + ".tmp"
+        torch.save(result, tmp)
+        os.replace(tmp, a.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

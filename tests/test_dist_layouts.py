@@ -1,0 +1,80 @@
+"""Issue 5, acceptance 1-2: three fp32 training steps on a parallel layout give the losses, the
+grad norms and the final params of the single-process run within 1e-5.
+
+One torchrun launch per layout runs every family the layout must cover
+(tests/layout_worker.py); the single-process reference runs once per session.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.cli_util import ROOT, cli_env
+
+WORKER = str(ROOT / "tests" / "layout_worker.py")
+GLOBAL_BATCH = 4  # tests/layout_worker.py
+MOE = ("deepseek3", "qwen3_moe")
+DENSE = ("qwen3", "glm4")
+ALL = MOE + DENSE
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out, families, nproc: int, flags: list[str]) -> dict:
+    env = cli_env(out.parent / "cache")
+    if nproc == 1:
+        cmd = [sys.executable, WORKER]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", WORKER]
+    r = subprocess.run([*cmd, str(out), "--families", ",".join(families), *flags], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single-process run with micro-batches of R rows (made once per R)."""
+    made: dict[int, dict] = {}
+
+    def get(rows: int) -> dict:
+        if rows not in made:
+            made[rows] = _launch(tmp_path_factory.mktemp("ref") / "ref.pt", ALL, 1, ["--micro-rows", str(rows)])
+        return made[rows]
+
+    return get
+
+
+LAYOUTS = [
+    pytest.param(2, ["--dp-shard", "2"], ALL, id="dp_shard2"),
+    pytest.param(2, ["--tp", "2"], ALL, id="tp2"),
+    pytest.param(2, ["--ep", "2"], MOE, id="ep2"),
+    pytest.param(4, ["--dp-shard", "2", "--tp", "2"], MOE, id="dp_shard2xtp2"),
+    pytest.param(4, ["--ep", "2", "--dp-shard", "2"], MOE, id="ep2xdp_shard2"),
+]
+
+
+@pytest.mark.parametrize("nproc,flags,families", LAYOUTS)
+def test_layout_matches_one_process(reference, tmp_path, nproc, flags, families):
+    sizes = dict(zip(flags[::2], map(int, flags[1::2])))
+    rows = GLOBAL_BATCH * sizes.get("--tp", 1) // nproc  # rows per data-parallel rank
+    got = _launch(tmp_path / "got.pt", families, nproc, [*flags, "--micro-rows", str(rows)])
+    for flag, size in sizes.items():
+        assert got["mesh"][flag.removeprefix("--").replace("-", "_")] == size
+    for family in families:
+        ref, run = reference(rows)[family], got[family]
+        assert run["losses"] == pytest.approx(ref["losses"], abs=1e-5), family
+        assert run["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5), family
+        assert run["params"].keys() == ref["params"].keys()
+        for k, v in ref["params"].items():
+            torch.testing.assert_close(run["params"][k], v, atol=1e-5, rtol=0, msg=f"{family} {k}")
