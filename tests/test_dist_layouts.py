@@ -7,7 +7,6 @@ One torchrun launch per layout runs every family the layout must cover
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

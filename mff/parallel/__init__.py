@@ -1,7 +1,16 @@
 """Parallelism on torch.distributed: the mesh, sharding tables -> DTensor placements, gather-on-use."""
 
 from mff.parallel.gather import gather
-from mff.parallel.mesh import DATA_AXES, MESH_AXES, ParallelConfig, build_mesh, data_parallel_group, data_parallel_rank, data_parallel_size, mesh_shape
+from mff.parallel.mesh import (
+    DATA_AXES,
+    MESH_AXES,
+    ParallelConfig,
+    build_mesh,
+    data_parallel_group,
+    data_parallel_rank,
+    data_parallel_size,
+    mesh_shape,
+)
 from mff.parallel.sharding import (
     DEFAULT_AXIS_MAP,
     placements_of,
