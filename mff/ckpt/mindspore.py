@@ -23,6 +23,9 @@ and beyond RAM minus the output are fine. The message classes are built at impor
 hand-written descriptor (no generated code); small records are parsed with them. Records larger
 than :data:`SMALL_RECORD` are read by hand (field walk of the same schema) so that their tensor
 bytes go straight from the file into the output tensor, with no intermediate copies.
+
+MindSpore / MindFormers safetensors (files and sharded folders) are read by
+:mod:`mff.ckpt.mindspore_safetensors`, re-exported here.
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
+from mff.ckpt.mindspore_safetensors import is_ms_safetensors, open_mindformers_safetensors, read_ms_safetensors
+
 __all__ = [
     "MindSporeCheckpointError", "iter_ckpt", "read_ckpt", "ckpt_names", "write_ckpt", "is_mindspore_ckpt",
     "MS_DTYPES", "TORCH_TO_MS", "Checkpoint", "Value", "TensorProto", "MapTensorProto",
+    "open_mindformers_safetensors", "read_ms_safetensors", "is_ms_safetensors",  # re-exported from mindspore_safetensors
 ]
 
 # bytes per record chunk when writing (MindSpore SLICE_SIZE = 512 * 1024 KB); tests shrink it
