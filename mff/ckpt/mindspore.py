@@ -247,15 +247,20 @@ def _parse_small(s: _Stream, offset: int, raw: bytes) -> _Record:
     value = Value()
     try:
         value.ParseFromString(raw)
-    except (DecodeError, RuntimeError, ValueError) as e:
+        tag = value.tag
+    except (DecodeError, RuntimeError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         s.fail(offset, f"record is not a valid checkpoint Value: {e}")
+    if not isinstance(tag, str):  # upb hands back bytes for a proto2 string that is not UTF-8
+        s.fail(offset, f"record tag {tag!r} is not valid UTF-8")
+    if not value.IsInitialized():  # python protobuf (upb) does not enforce proto2 'required' when parsing
+        s.fail(offset, f"record {tag!r} lacks required fields {value.FindInitializationErrors()}")
     which = value.WhichOneof("value")
     if which == "maptensor":
-        _refuse_map(s, offset, value.tag)
+        _refuse_map(s, offset, tag)
     if which != "tensor":
-        s.fail(offset, f"record {value.tag!r} holds no tensor")
+        s.fail(offset, f"record {tag!r} holds no tensor")
     t = value.tensor
-    return _Record(offset, value.tag, t.tensor_type, list(t.dims), len(t.tensor_content), t.tensor_content)
+    return _Record(offset, tag, t.tensor_type, list(t.dims), len(t.tensor_content), t.tensor_content)
 
 
 def _refuse_map(s: _Stream, offset: int, tag: str):
