@@ -428,3 +428,13 @@ def test_mindformers_folder_errors(tmp_path):
     save_file({"q": torch.zeros(4, dtype=torch.int8)}, str(tmp_path / "int4.safetensors"), metadata={"format": "ms", "q": "Int4"})
     with pytest.raises(ValueError, match="packed Int4"):
         open_mindformers_safetensors(tmp_path / "int4.safetensors")
+
+
+def test_write_dtensor(tmp_path, dist1):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = dist1
+    w = torch.randn(4, 6, generator=torch.Generator().manual_seed(3)).bfloat16()
+    placements = [Shard(0) if i == 0 else Replicate() for i in range(mesh.ndim)]
+    write_ckpt(tmp_path / "d.ckpt", {"w": distribute_tensor(w, mesh, placements)})
+    assert same(read_ckpt(tmp_path / "d.ckpt")["w"], w)

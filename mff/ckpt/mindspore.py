@@ -566,7 +566,7 @@ def write_ckpt(
     full dims (as ``_write_parameter_bytes_data``). ``tensors`` is a mapping or an iterable of
     ``(name, tensor)``; a value may be a zero-argument callable producing the tensor, called when
     it is written, so a large model need never be in memory at once. Tensors may be on any
-    device (copied to CPU one at a time); dtypes: see :data:`TORCH_TO_MS`. A python ``str``
+    device and DTensors (gathered; copied to CPU one at a time); dtypes: see :data:`TORCH_TO_MS`. A python ``str``
     value is written as MindSpore writes ``append_dict`` strings. ``metadata`` entries follow
     the tensors: ``int`` -> Int64 scalar, ``float`` -> Float32 scalar (as MindSpore's
     ``Tensor(float)``), ``bool`` -> Bool, ``str`` -> str. ``crc=True`` appends the
@@ -635,6 +635,8 @@ def _write_entry(emit, name: str, value):
     if value.dtype not in TORCH_TO_MS:
         raise MindSporeCheckpointError(f"tensor {name!r}: dtype {value.dtype} has no MindSpore checkpoint type; "
                                        f"supported: {sorted(str(d) for d in TORCH_TO_MS)}")
+    if hasattr(value, "full_tensor"):  # a DTensor: gather it
+        value = value.full_tensor()
     t = value.detach().to("cpu").contiguous()
     ttype = TORCH_TO_MS[t.dtype].encode()
     dims = list(t.shape)
