@@ -1,4 +1,5 @@
-"""Checkpoints: mff's own layout (save/load/resume), HF safetensors folders, FP8 and GGUF import."""
+"""Checkpoints: mff's own layout (save/load/resume), HF safetensors folders, FP8 and GGUF import,
+MindSpore ``.ckpt`` files and MindSpore/MindFormers safetensors (``mff.ckpt.mindspore``)."""
 
 from mff.ckpt.checkpoint import (
     CheckpointError,

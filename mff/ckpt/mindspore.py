@@ -23,6 +23,9 @@ and beyond RAM minus the output are fine. The message classes are built at impor
 hand-written descriptor (no generated code); small records are parsed with them. Records larger
 than :data:`SMALL_RECORD` are read by hand (field walk of the same schema) so that their tensor
 bytes go straight from the file into the output tensor, with no intermediate copies.
+
+MindSpore / MindFormers safetensors (files and sharded folders) are read by
+:mod:`mff.ckpt.mindspore_safetensors`, re-exported here.
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
+from mff.ckpt.mindspore_safetensors import is_ms_safetensors, open_mindformers_safetensors, read_ms_safetensors
+
 __all__ = [
     "MindSporeCheckpointError", "iter_ckpt", "read_ckpt", "ckpt_names", "write_ckpt", "is_mindspore_ckpt",
     "MS_DTYPES", "TORCH_TO_MS", "Checkpoint", "Value", "TensorProto", "MapTensorProto",
+    "open_mindformers_safetensors", "read_ms_safetensors", "is_ms_safetensors",  # re-exported from mindspore_safetensors
 ]
 
 # bytes per record chunk when writing (MindSpore SLICE_SIZE = 512 * 1024 KB); tests shrink it
@@ -241,15 +247,20 @@ def _parse_small(s: _Stream, offset: int, raw: bytes) -> _Record:
     value = Value()
     try:
         value.ParseFromString(raw)
-    except (DecodeError, RuntimeError, ValueError) as e:
+        tag = value.tag
+    except (DecodeError, RuntimeError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         s.fail(offset, f"record is not a valid checkpoint Value: {e}")
+    if not isinstance(tag, str):  # upb hands back bytes for a proto2 string that is not UTF-8
+        s.fail(offset, f"record tag {tag!r} is not valid UTF-8")
+    if not value.IsInitialized():  # python protobuf (upb) does not enforce proto2 'required' when parsing
+        s.fail(offset, f"record {tag!r} lacks required fields {value.FindInitializationErrors()}")
     which = value.WhichOneof("value")
     if which == "maptensor":
-        _refuse_map(s, offset, value.tag)
+        _refuse_map(s, offset, tag)
     if which != "tensor":
-        s.fail(offset, f"record {value.tag!r} holds no tensor")
+        s.fail(offset, f"record {tag!r} holds no tensor")
     t = value.tensor
-    return _Record(offset, value.tag, t.tensor_type, list(t.dims), len(t.tensor_content), t.tensor_content)
+    return _Record(offset, tag, t.tensor_type, list(t.dims), len(t.tensor_content), t.tensor_content)
 
 
 def _refuse_map(s: _Stream, offset: int, tag: str):
@@ -555,7 +566,7 @@ def write_ckpt(
     full dims (as ``_write_parameter_bytes_data``). ``tensors`` is a mapping or an iterable of
     ``(name, tensor)``; a value may be a zero-argument callable producing the tensor, called when
     it is written, so a large model need never be in memory at once. Tensors may be on any
-    device (copied to CPU one at a time); dtypes: see :data:`TORCH_TO_MS`. A python ``str``
+    device and DTensors (gathered; copied to CPU one at a time); dtypes: see :data:`TORCH_TO_MS`. A python ``str``
     value is written as MindSpore writes ``append_dict`` strings. ``metadata`` entries follow
     the tensors: ``int`` -> Int64 scalar, ``float`` -> Float32 scalar (as MindSpore's
     ``Tensor(float)``), ``bool`` -> Bool, ``str`` -> str. ``crc=True`` appends the
@@ -624,6 +635,8 @@ def _write_entry(emit, name: str, value):
     if value.dtype not in TORCH_TO_MS:
         raise MindSporeCheckpointError(f"tensor {name!r}: dtype {value.dtype} has no MindSpore checkpoint type; "
                                        f"supported: {sorted(str(d) for d in TORCH_TO_MS)}")
+    if hasattr(value, "full_tensor"):  # a DTensor: gather it
+        value = value.full_tensor()
     t = value.detach().to("cpu").contiguous()
     ttype = TORCH_TO_MS[t.dtype].encode()
     dims = list(t.shape)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-__all__ = ["DTYPE_CODES", "write_safetensors", "write_sharded", "SafetensorsFolder", "parse_size"]
+__all__ = ["DTYPE_CODES", "write_safetensors", "write_sharded", "SafetensorsFolder", "parse_size", "read_weight_map", "check_weight_map"]
 
 DTYPE_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -156,7 +156,13 @@ class SafetensorsFolder:
     """The tensors of a folder holding ``model.safetensors`` or a sharded index.
 
     ``names`` lists every tensor; ``shards()`` yields ``(file, open handle)`` one shard at a
-    time (only that shard is mapped); ``read(name)`` opens the one file holding ``name``.
+    time (only that shard is mapped); ``read(name)`` opens the one file holding ``name``;
+    ``file_metadata[file]`` is each file's ``__metadata__`` (``{}`` when absent).
+
+    Other layouts (MindFormers ``param_name_map.json``, a chosen file list) pass ``files`` (file
+    names inside ``folder``) and optionally ``weight_map`` (tensor -> file, checked against the
+    files' contents) with ``index_name`` (the map's file name, for messages); see
+    :mod:`mff.ckpt.mindspore_safetensors`.
 
     Raises:
         FileNotFoundError: no ``model.safetensors`` and no index in ``folder`` (the message lists
@@ -165,35 +171,24 @@ class SafetensorsFolder:
             malformed index.
     """
 
-    def __init__(self, folder: str | os.PathLike, prefix: str = "model"):
+    def __init__(self, folder: str | os.PathLike, prefix: str = "model", files: Sequence[str] | None = None,
+                 weight_map: Mapping[str, str] | None = None, index_name: str | None = None):
         self.folder = Path(folder)
-        single = self.folder / f"{prefix}.safetensors"
-        index = self.folder / f"{prefix}.safetensors.index.json"
-        weight_map = None
-        if single.is_file():  # as transformers: the single file wins over an index
-            self.files = [single.name]
-        elif index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                if not isinstance(weight_map, dict):
-                    raise TypeError("weight_map is not an object")
-            except (ValueError, KeyError, TypeError, RecursionError) as e:
-                raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
-            bad = sorted({repr(f) for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")})
-            if bad:
-                raise ValueError(f"{index}: weight_map values must be shard file names inside the folder, got {bad[:5]}")
-            self.files = sorted(set(weight_map.values()))
-            missing = [f for f in self.files if not (self.folder / f).is_file()]
-            if missing:
-                raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
-        else:
-            present = sorted(p.name for p in self.folder.glob("*.safetensors"))
-            raise FileNotFoundError(f"{self.folder} has no {single.name} and no {index.name}"
-                                    + (f" (safetensors files present: {present})" if present else ""))
+        if files is None:
+            files, weight_map, index_name = self._discover(prefix)
+        index = self.folder / (index_name or "index")
+        if weight_map is not None:
+            check_weight_map(index, weight_map)
+        self.files = list(files)
+        missing = [f for f in self.files if not (self.folder / f).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index if weight_map is not None else self.folder} names shard files that are missing: {missing}")
         self.file_of: dict[str, str] = {}
         self.meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.file_metadata: dict[str, dict[str, str]] = {}
         for f in self.files:
             with self._open(f) as h:
+                self.file_metadata[f] = dict(h.metadata() or {})
                 for k in h.keys():
                     if k in self.file_of:
                         raise ValueError(f"tensor {k!r} is stored twice, in {self.file_of[k]} and {f}")
@@ -206,6 +201,18 @@ class SafetensorsFolder:
             absent = sorted(set(weight_map) - set(self.file_of))
             if absent:
                 raise ValueError(f"{index} lists tensors that no shard holds: {absent[:5]}")
+
+    def _discover(self, prefix: str) -> tuple[list[str], dict | None, str | None]:
+        single = self.folder / f"{prefix}.safetensors"
+        index = self.folder / f"{prefix}.safetensors.index.json"
+        if single.is_file():  # as transformers: the single file wins over an index
+            return [single.name], None, None
+        if index.is_file():
+            weight_map = read_weight_map(index)
+            return sorted(set(weight_map.values())), weight_map, index.name
+        present = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        raise FileNotFoundError(f"{self.folder} has no {single.name} and no {index.name}"
+                                + (f" (safetensors files present: {present})" if present else ""))
 
     @contextmanager
     def _open(self, fname: str) -> Iterator:
@@ -238,6 +245,32 @@ class SafetensorsFolder:
         """One tensor, opening only its shard."""
         with self._open(self.file_of[name]) as h:
             return _CheckedHandle(h, self.folder / self.file_of[name]).get_tensor(name)
+
+
+def read_weight_map(index: Path, flat_ok: bool = False) -> dict[str, str]:
+    """The tensor -> file map of an index file: HF's ``{"weight_map": {...}}``, or with
+    ``flat_ok`` also a plain ``{tensor: file}`` object (MindFormers ``param_name_map.json``).
+
+    Raises:
+        ValueError: not JSON, no ``weight_map`` object, or file names that are not plain names
+            inside the folder.
+    """
+    try:
+        data = json.loads(index.read_text())
+        weight_map = data["weight_map"] if not (flat_ok and isinstance(data, dict) and "weight_map" not in data) else data
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+    check_weight_map(index, weight_map)
+    return weight_map
+
+
+def check_weight_map(index: Path, weight_map: Mapping[str, str]):
+    """ValueError unless every value of ``weight_map`` is a plain file name inside the folder."""
+    bad = sorted({repr(f) for f in weight_map.values() if not isinstance(f, str) or Path(f).name != f or f in ("", ".", "..")})
+    if bad:
+        raise ValueError(f"{index}: weight_map values must be shard file names inside the folder, got {bad[:5]}")
 
 
 class _CheckedHandle:
