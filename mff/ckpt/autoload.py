@@ -17,7 +17,7 @@ import torch
 
 from mff.ckpt.checkpoint import CheckpointError, latest_step_dir, read_meta
 from mff.ckpt.hf import config_from_hf_dict, load_hf, load_hf_tensors
-from mff.ckpt.mindformers_source import mindformers_files
+from mff.ckpt.mindformers_source import mindformers_kind
 from mff.ckpt.safetensors_io import SafetensorsFolder
 from mff.model import Model
 from mff.models import get_family
@@ -32,8 +32,7 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is none of these (the message says what each needs); a folder with
-            several ``.ckpt`` files.
+        ValueError: ``path`` is none of these (the message says what each needs).
     """
     p = Path(path)
     if not p.exists():
@@ -42,7 +41,7 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
         with open(p, "rb") as f:
             if f.read(4) == b"GGUF":
                 return "gguf"
-        if mindformers_files(p) is not None:
+        if mindformers_kind(p) is not None:
             return "mindspore"
         raise ValueError(f"{p} is a file but not a GGUF file, a MindSpore .ckpt or MindFormers safetensors file; pass an HF "
                          "model folder, an mff checkpoint folder, a .gguf file or a MindSpore/MindFormers checkpoint")
@@ -51,7 +50,7 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
         return "hf"
     if (p / "latest").is_file() or (p / "meta.msgpack").is_file():
         return "mff"
-    if mindformers_files(p) is not None:
+    if mindformers_kind(p) is not None:
         return "mindspore"
     if (p / "config.json").is_file():
         return "hf"

@@ -18,160 +18,103 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from mff.ckpt.mindspore import ckpt_names, is_mindspore_ckpt, iter_ckpt, read_ckpt
+from mff.ckpt.mindspore_safetensors import PARAM_NAME_MAP, is_ms_safetensors, open_mindformers_safetensors
+from mff.ckpt.safetensors_io import SafetensorsFolder
 from mff.model import Family
 from mff.models import family_for_model_type, get_family
 
-__all__ = ["MindFormersSource", "open_source", "is_mindformers_checkpoint", "read_model_config", "mindformers_files"]
+__all__ = ["MindFormersSource", "open_source", "read_model_config", "mindformers_kind", "layout_switches"]
 
 _ST_DTYPES = {"F64": "Float64", "F32": "Float32", "F16": "Float16", "BF16": "BFloat16", "I64": "Int64", "I32": "Int32",
               "I16": "Int16", "I8": "Int8", "U8": "UInt8", "BOOL": "Bool"}
-_INDEX_FILES = ("param_name_map.json", "ms-model.safetensors.index.json")
 
 
 class MindFormersSource:
     """The tensors of a MindFormers checkpoint, read one at a time.
 
     ``entries``: ``{name: (MindSpore dtype name, shape)}`` in file order, read without loading
-    any tensor. ``stream(want)`` yields ``(name, value)`` for the names ``want`` accepts (values
-    as :func:`mff.ckpt.mindspore.iter_ckpt` gives them: tensors, 0-d scalars, or ``str``);
+    any tensor. ``stream(want)`` yields ``(name, value)`` for the names in ``want`` (values as
+    :func:`mff.ckpt.mindspore.iter_ckpt` gives them: tensors, 0-d scalars, or ``str``);
     ``read(names)`` returns a few named tensors.
     """
 
-    def __init__(self, kind: str, where: str, entries: dict[str, tuple[str, tuple[int, ...]]], files: list[Path]):
-        self.kind, self.where, self.entries, self.files = kind, where, entries, files
+    def __init__(self, where: str, entries: dict[str, tuple[str, tuple[int, ...]]], ckpt: Path | None = None,
+                 folder: SafetensorsFolder | None = None):
+        self.where, self.entries, self._ckpt, self._folder = where, entries, ckpt, folder
 
     def stream(self, want: Container[str]) -> Iterator[tuple[str, torch.Tensor | str]]:
         """``(name, value)`` for each wanted entry, one in memory at a time."""
-        if self.kind == "ckpt":
-            for name, value in iter_ckpt(self.files[0]):
+        if self._ckpt is not None:
+            for name, value in iter_ckpt(self._ckpt):
                 if name in want:
                     yield name, value
             return
-        for f in self.files:
-            with _open_st(f) as h:
-                for name in h.keys():
-                    if name in want:
-                        yield name, _get(h, f, name)
+        for _, handle in self._folder.shards():
+            for name in handle.keys():
+                if name in want:
+                    yield name, handle.get_tensor(name)
 
     def read(self, names: Container[str]) -> dict[str, torch.Tensor | str]:
         """The named entries (for a few small lookups before streaming)."""
-        if self.kind == "ckpt":
-            return read_ckpt(self.files[0], names=names)
-        return dict(self.stream(names))
+        if self._ckpt is not None:
+            return read_ckpt(self._ckpt, names=names)
+        return {n: self._folder.read(n) for n in self.entries if n in names}
 
 
-def _open_st(path: Path):
-    try:
-        return safe_open(str(path), framework="pt")
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable safetensors file (corrupt or truncated?): {e}") from None
+def mindformers_kind(path: str | os.PathLike) -> str | None:
+    """``"ckpt"`` or ``"safetensors"`` when ``path`` is a MindFormers checkpoint, else None.
 
-
-def _get(h, path: Path, name: str) -> torch.Tensor:
-    try:
-        return h.get_tensor(name)
-    except Exception as e:
-        raise ValueError(f"{path}: cannot read tensor {name!r} (file corrupt or truncated?): {e}") from None
-
-
-def _st_format(path: Path) -> str | None:
-    """The ``format`` metadata of a safetensors file, or None when it is not one."""
-    try:
-        with safe_open(str(path), framework="pt") as h:
-            return (h.metadata() or {}).get("format", "")
-    except Exception:
-        return None
-
-
-def mindformers_files(path: str | os.PathLike) -> tuple[str, list[Path]] | None:
-    """``("ckpt" | "safetensors", files)`` when ``path`` is a MindFormers checkpoint, else None.
-
-    Recognised: a MindSpore ``.ckpt`` file; a safetensors file whose metadata says
-    ``{"format": "ms"}``; a folder holding exactly one ``.ckpt`` file, or MindFormers
-    safetensors shards (``ms-model-*.safetensors``, ``param_name_map.json`` /
-    ``ms-model.safetensors.index.json`` naming them, or ``{"format": "ms"}`` files) and no HF
-    ``model.safetensors`` / index.
-
-    Raises:
-        FileNotFoundError: an index names a missing shard file.
-        ValueError: a malformed index; a folder with several ``.ckpt`` files (ambiguous).
+    Recognised: a MindSpore ``.ckpt`` file; a safetensors file with ``{"format": "ms"}``
+    metadata; a folder without HF weights (``model.safetensors`` / its index) that holds
+    ``param_name_map.json``, an ``ms-model*.safetensors.index.json``, a single ``{"format": "ms"}``
+    safetensors file, or a single ``.ckpt`` file.
     """
     p = Path(path)
     if p.is_file():
         if is_mindspore_ckpt(p):
-            return "ckpt", [p]
-        if p.suffix == ".safetensors" and _st_format(p) == "ms":
-            return "safetensors", [p]
-        return None
+            return "ckpt"
+        return "safetensors" if p.suffix == ".safetensors" and is_ms_safetensors(p) else None
     if not p.is_dir() or (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():
         return None
-    for index in _INDEX_FILES:
-        if (p / index).is_file():
-            return "safetensors", _index_files(p / index)
-    shards = sorted(p.glob("ms-model*.safetensors")) or sorted(f for f in p.glob("*.safetensors") if _st_format(f) == "ms")
-    if shards:
-        return "safetensors", shards
-    ckpts = sorted(f for f in p.glob("*.ckpt") if is_mindspore_ckpt(f))
-    if len(ckpts) > 1:
-        raise ValueError(f"{p} holds several .ckpt files ({[f.name for f in ckpts]}); pass the one to use")
-    return ("ckpt", ckpts) if ckpts else None
-
-
-def _index_files(index: Path) -> list[Path]:
-    try:
-        d = json.loads(index.read_text())
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{index} is not valid JSON: {e}") from None
-    m = d.get("weight_map", d) if isinstance(d, dict) else None
-    if not isinstance(m, dict) or not all(isinstance(v, str) and Path(v).name == v for v in m.values()):
-        raise ValueError(f"{index} must map tensor names to shard file names in the folder")
-    files = [index.parent / f for f in dict.fromkeys(m.values())]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"{index} names shard files that are missing: {missing}")
-    return files
-
-
-def is_mindformers_checkpoint(path: str | os.PathLike) -> bool:
-    """True when :func:`mindformers_files` recognises ``path`` (errors count as False)."""
-    try:
-        return mindformers_files(path) is not None
-    except (OSError, ValueError):
-        return False
+    if (p / PARAM_NAME_MAP).is_file() or list(p.glob("ms-model*.safetensors.index.json")):
+        return "safetensors"
+    st = list(p.glob("*.safetensors"))
+    if len(st) == 1 and is_ms_safetensors(st[0]):
+        return "safetensors"
+    return "ckpt" if len([f for f in p.glob("*.ckpt") if is_mindspore_ckpt(f)]) >= 1 else None
 
 
 def open_source(path: str | os.PathLike) -> MindFormersSource:
-    """The :class:`MindFormersSource` of a ``.ckpt`` file or MindFormers safetensors file/folder.
+    """The :class:`MindFormersSource` of a ``.ckpt`` file (or a folder holding one) or of
+    MindFormers safetensors (file or folder; :func:`mff.ckpt.mindspore.open_mindformers_safetensors`).
 
     Raises:
         FileNotFoundError: ``path`` missing.
-        ValueError: not a MindFormers checkpoint (says what is expected), a tensor stored twice.
+        ValueError: not a MindFormers checkpoint (says what is expected); a folder with several
+            ``.ckpt`` files; what the safetensors reader raises (malformed map, corrupt file...).
         MindSporeCheckpointError: an encrypted, damaged or otherwise unreadable ``.ckpt``.
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist")
-    found = mindformers_files(p)
-    if found is None:
+    kind = mindformers_kind(p)
+    if kind is None:
         raise ValueError(f"{p} is not a MindSpore .ckpt file or MindFormers safetensors (a file with {{\"format\": \"ms\"}} "
-                         "metadata, or a folder of ms-model-*.safetensors)")
-    kind, files = found
-    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
-    if kind == "ckpt":
-        for name, ttype, shape in ckpt_names(files[0]):
-            entries[name] = (ttype, shape)
-    else:
-        for f in files:
-            with _open_st(f) as h:
-                for name in h.keys():
-                    if name in entries:
-                        raise ValueError(f"{p}: tensor {name!r} is stored twice")
-                    sl = h.get_slice(name)
-                    entries[name] = (_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), tuple(sl.get_shape()))
-    return MindFormersSource(kind, str(p), entries, files)
+                         "metadata, or a folder with param_name_map.json)")
+    if kind == "safetensors":
+        view = open_mindformers_safetensors(p)
+        entries = {n: (_ST_DTYPES.get(view.meta[n][0], view.meta[n][0]), tuple(view.meta[n][1])) for n in view.names}
+        return MindFormersSource(str(p), entries, folder=view)
+    ckpt = p
+    if p.is_dir():
+        found = sorted(f for f in p.glob("*.ckpt") if is_mindspore_ckpt(f))
+        if len(found) > 1:
+            raise ValueError(f"{p} holds several .ckpt files ({[f.name for f in found]}); pass the one to use")
+        ckpt = found[0]
+    entries = {name: (ttype, shape) for name, ttype, shape in ckpt_names(ckpt)}
+    return MindFormersSource(str(p), entries, ckpt=ckpt)
 
 
 # ------------------------------------------------------------------------------------------
