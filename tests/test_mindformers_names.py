@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import mff
+from mff.ckpt.autoload import checkpoint_kind, tokenizer_folder
 from mff.ckpt.mindformers import MindFormersCheckpointError, load_mindformers, mindformers_state, save_mindformers
 from mff.ckpt.mindformers_names import LegacyLayout, McoreLayout
 from mff.ckpt.mindspore import write_ckpt
@@ -421,6 +422,8 @@ def test_convert_ckpt_to_hf_and_back(tmp_path, capsys):
     rc, err = _run(capsys, "--src", tmp_path / "hf", "--dst", tmp_path / "ms", "--to", "mindspore")
     assert rc == 0, err
     assert {p.name for p in (tmp_path / "ms").iterdir()} >= {"model.ckpt", "config.json"}
+    assert checkpoint_kind(tmp_path / "ms") == checkpoint_kind(tmp_path / "ms" / "model.ckpt") == "mindspore"
+    assert tokenizer_folder(tmp_path / "ms" / "model.ckpt") == tmp_path / "ms"
     rc, err = _run(capsys, "--src", tmp_path / "ms", "--dst", tmp_path / "mff", "--to", "mff")
     assert rc == 0, err
     _, ref = mff.load(tmp_path / "hf")
