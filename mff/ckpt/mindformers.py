@@ -205,17 +205,7 @@ def load_mindformers(
             raise ValueError("load_mindformers: a config object needs its family")
         family = get_family(family)
 
-    # classify every entry
-    weights, optim, meta_names, skipped = [], [], [], 0
-    for name, (dt, shape) in source.entries.items():
-        if name.startswith(SKIPPED_PREFIXES) or name.endswith(SKIPPED_BUFFERS):
-            skipped += 1
-        elif name.startswith(tuple(OPTIM_SLOTS)):
-            optim.append(name)
-        elif _is_meta_entry(name, shape, dt):
-            meta_names.append(name)
-        else:
-            weights.append(name)
+    weights, optim, meta_names, skipped = _classify(source)
     if layout is None:
         layout = detect_layout(weights, raw_config)
     legacy = isinstance(layout, LegacyLayout)
@@ -223,88 +213,106 @@ def load_mindformers(
     config = _adjust_config(family, config, source, weights, legacy, where, notices)
     model = Model(family, config)
     table = {e.name: e for e in mindformers_tensors(model, layout)}
-
-    # glm4_moe: mff does not build GLM-4.5's MTP layers (as HF); their tensors are skipped
-    if family.name == "glm4_moe":
-        mtp = [n for n in weights if n.startswith("mtp.")]
-        if mtp:
-            notices.append(f"note: skipped {len(mtp)} MTP tensors of {where} (mff's glm4_moe does not build MTP)")
-            weights = [n for n in weights if not n.startswith("mtp.")]
-    if legacy and getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in weights:
-        weights.remove("lm_head.weight")
-    elif not legacy and getattr(config, "tie_word_embeddings", False) and "output_layer.weight" in weights:
-        weights.remove("output_layer.weight")
-
-    unknown = [n for n in weights if n not in table]
-    if unknown:
-        raise MindFormersCheckpointError(f"{where} has {len(unknown)} tensors the {family.name} model does not: {_names(unknown)}")
-    missing = [n for n in table if n not in source.entries]
-    if missing:
-        raise MindFormersCheckpointError(f"{where} lacks {len(missing)} tensors the {family.name} model needs: {_names(missing)}")
-    for n in weights:
-        _check_shape(table[n], source.entries[n], n, family.name, where)
-        if source.entries[n][0] not in ("Float32", "Float16", "BFloat16", "Float64"):
-            raise MindFormersCheckpointError(f"{where}: tensor {n!r} has dtype {source.entries[n][0]}; expected a floating-point tensor")
-
-    # optimizer state
-    state = None
-    opt_want: dict[str, tuple[str, MFTensor]] = {}
-    if optimizer:
-        trainable = [p for p in model.param_shapes() if model.is_trainable(p)]
-        bad, frozen_names = [], set()
-        for n in optim:
-            prefix = next(p for p in OPTIM_SLOTS if n.startswith(p))
-            base = n[len(prefix):]
-            e = table.get(base)
-            if e is None:
-                bad.append(n)
-            elif not all(model.is_trainable(p) for p in e.params):
-                frozen_names.add(n)  # MindFormers keeps no moments for the expert bias; if it did, mff does not use them
-            else:
-                _check_shape(e, source.entries[n], n, family.name, where)
-                opt_want[n] = (OPTIM_SLOTS[prefix], e)
-        if bad:
-            raise MindFormersCheckpointError(f"{where} has {len(bad)} optimizer entries for tensors the {family.name} model "
-                                             f"does not have: {_names(bad)}")
-        need = [f"{p}{e.name}" for p in OPTIM_SLOTS for e in table.values() if all(model.is_trainable(q) for q in e.params)]
-        absent = [n for n in need if n not in opt_want]
-        if absent:
-            raise MindFormersCheckpointError(f"{where} lacks {len(absent)} optimizer entries the model needs (asked for the "
-                                             f"optimizer state): {_names(absent)}")
-        shapes = model.param_shapes()
-        state = {"step": torch.zeros((), dtype=torch.int64),
-                 "exp_avg": {p: torch.zeros(shapes[p], dtype=torch.float32, device=device) for p in trainable},
-                 "exp_avg_sq": {p: torch.zeros(shapes[p], dtype=torch.float32, device=device) for p in trainable}}
-    elif optim:
+    weights = _check_weights(model, table, source, weights, legacy, notices)
+    opt_want = _optimizer_plan(model, table, source, optim) if optimizer else {}
+    if optim and not optimizer:
         notices.append(f"note: skipped {len(optim)} optimizer entries (adam_m.* / adam_v.*) of {where}")
     if skipped:
         notices.append(f"note: skipped {skipped} router / gradient-accumulation buffers of {where} (expert_load, fi_accu, accu_grads)")
 
-    # stream
     shapes = model.param_shapes()
     params: dict[str, torch.Tensor] = {}
+    state = None
+    if optimizer:  # fp32 moments of the trained params (mff AdamW's layout, mff.optim.adamw)
+        trained = [p for p in shapes if model.is_trainable(p)]
+        state = {"step": torch.zeros((), dtype=torch.int64)}
+        state.update({slot: {p: torch.zeros(shapes[p], dtype=torch.float32, device=device) for p in trained} for slot in OPTIM_SLOTS.values()})
     metadata: dict[str, Any] = {}
-    want = set(weights) | set(opt_want) | set(meta_names)
-    for name, value in source.stream(want):
-        if name in meta_names:
-            metadata[name] = value if isinstance(value, str) else value.reshape(-1)[0].item() if value.numel() else None
-            continue
+    for name, value in source.stream(set(weights) | set(opt_want) | set(meta_names)):
         if name in opt_want:
             slot, e = opt_want[name]
             _scatter(e, value, state[slot], name, where)
-            continue
-        e = table[name]
-        for p in e.params:
-            if p not in params:
-                target = value.dtype if dtype is None else (torch.float32 if model.is_fp32(p) else dtype)
-                params[p] = torch.empty(shapes[p], dtype=target, device=device)
-        _scatter(e, value, params, name, where)
+        elif name in table:
+            e = table[name]
+            for p in e.params:
+                if p not in params:
+                    target = value.dtype if dtype is None else (torch.float32 if model.is_fp32(p) else dtype)
+                    params[p] = torch.empty(shapes[p], dtype=target, device=device)
+            _scatter(e, value, params, name, where)
+        else:
+            metadata[name] = value if isinstance(value, str) else value.reshape(-1)[0].item() if value.numel() else None
         del value
-    if state is not None and "global_step" in metadata and isinstance(metadata["global_step"], (int, float)):
+    if state is not None and isinstance(metadata.get("global_step"), (int, float)):
         state["step"] = torch.tensor(int(metadata["global_step"]), dtype=torch.int64)
     for line in notices:
         print(line, file=sys.stderr)
     return MindFormersCheckpoint(model, {p: params[p] for p in shapes}, state, metadata, layout)
+
+
+def _classify(source: MindFormersSource) -> tuple[list[str], list[str], list[str], int]:
+    """``(weights, optimizer entries, bookkeeping entries, number of skipped buffers)``."""
+    weights, optim, meta, skipped = [], [], [], 0
+    for name, (dt, shape) in source.entries.items():
+        if name.startswith(SKIPPED_PREFIXES) or name.endswith(SKIPPED_BUFFERS):
+            skipped += 1
+        elif name.startswith(tuple(OPTIM_SLOTS)):
+            optim.append(name)
+        elif _is_meta_entry(name, shape, dt):
+            meta.append(name)
+        else:
+            weights.append(name)
+    return weights, optim, meta, skipped
+
+
+def _check_weights(model: Model, table: Mapping[str, MFTensor], source: MindFormersSource, weights: list[str], legacy: bool,
+                   notices: list[str]) -> list[str]:
+    """The weight names to read, after skipping GLM-4.5 MTP tensors and a tied head; raises for
+    unknown (listed), missing (listed), mis-shaped (both shapes) and non-float tensors."""
+    where, family, cfg = source.where, model.family.name, model.config
+    if family == "glm4_moe":  # mff does not build GLM-4.5's MTP layers (nor does HF): their tensors are skipped
+        mtp = [n for n in weights if n.startswith("mtp.")]
+        if mtp:
+            notices.append(f"note: skipped {len(mtp)} MTP tensors of {where} (mff's glm4_moe does not build MTP)")
+            weights = [n for n in weights if not n.startswith("mtp.")]
+    head = "lm_head.weight" if legacy else "output_layer.weight"
+    if getattr(cfg, "tie_word_embeddings", False) and head in weights:  # equal to the embedding (checked by _adjust_config)
+        weights = [n for n in weights if n != head]
+    unknown = [n for n in weights if n not in table]
+    if unknown:
+        raise MindFormersCheckpointError(f"{where} has {len(unknown)} tensors the {family} model does not: {_names(unknown)}")
+    missing = [n for n in table if n not in source.entries]
+    if missing:
+        raise MindFormersCheckpointError(f"{where} lacks {len(missing)} tensors the {family} model needs: {_names(missing)}")
+    for n in weights:
+        _check_shape(table[n], source.entries[n], n, family, where)
+        if source.entries[n][0] not in ("Float32", "Float16", "BFloat16", "Float64"):
+            raise MindFormersCheckpointError(f"{where}: tensor {n!r} has dtype {source.entries[n][0]}; expected a floating-point tensor")
+    return weights
+
+
+def _optimizer_plan(model: Model, table: Mapping[str, MFTensor], source: MindFormersSource, optim: list[str]) -> dict[str, tuple[str, MFTensor]]:
+    """``{adam entry: (mff slot, table entry)}`` for the trained params; moments of frozen params
+    (the expert bias, which MindFormers does not train either) are left out. Raises for entries
+    of tensors the model lacks and for trained tensors without both moments (listed)."""
+    where, family = source.where, model.family.name
+    plan, bad = {}, []
+    for n in optim:
+        prefix = next(p for p in OPTIM_SLOTS if n.startswith(p))
+        e = table.get(n[len(prefix):])
+        if e is None:
+            bad.append(n)
+        elif all(model.is_trainable(p) for p in e.params):
+            _check_shape(e, source.entries[n], n, family, where)
+            plan[n] = (OPTIM_SLOTS[prefix], e)
+    if bad:
+        raise MindFormersCheckpointError(f"{where} has {len(bad)} optimizer entries for tensors the {family} model does not have: "
+                                         f"{_names(bad)}")
+    need = [p + e.name for p in OPTIM_SLOTS for e in table.values() if all(model.is_trainable(q) for q in e.params)]
+    absent = [n for n in need if n not in plan]
+    if absent:
+        raise MindFormersCheckpointError(f"{where} lacks {len(absent)} optimizer entries the model needs (asked for the optimizer "
+                                         f"state): {_names(absent)}")
+    return plan
 
 
 def _check_shape(e: MFTensor, entry: tuple[str, tuple[int, ...]], name: str, family: str, where: str) -> None:

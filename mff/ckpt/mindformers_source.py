@@ -138,10 +138,7 @@ def _load_config_file(path: Path) -> dict:
         mc = model.get("model_config") if isinstance(model, dict) else None
         if not isinstance(mc, dict):
             raise ValueError(f"{path} has no model: model_config: mapping (a MindFormers YAML keeps the model config there)")
-        mc = dict(mc)
-        if "use_legacy" in d and "use_legacy" not in mc:
-            mc["use_legacy"] = d["use_legacy"]
-        return mc
+        return dict(mc)
     try:
         d = json.loads(path.read_text())
     except (ValueError, RecursionError) as e:
@@ -155,7 +152,7 @@ def read_model_config(path: str | os.PathLike, family: str | Family | None = Non
     """``(family, config, raw dict)`` from an HF ``config.json``, a MindFormers config JSON or a
     MindFormers YAML (its ``model.model_config``; Mcore model configs use HF key names). The
     raw dict also carries the MindFormers layout switches (``use_contiguous_weight_layout_attention``,
-    ``use_interleaved_weight_layout_mlp``, ``use_legacy``).
+    ``use_interleaved_weight_layout_mlp``; :func:`layout_switches`).
 
     ``family`` (a name like ``qwen3``) is needed when the config has no ``model_type``; when both
     are there they must agree.
@@ -206,13 +203,12 @@ def _families() -> list[str]:
     return list(FAMILIES)
 
 
-def layout_switches(raw: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The MindFormers layout switches of a raw model config (defaults when absent)."""
+def layout_switches(raw: Mapping[str, Any] | None) -> dict[str, bool]:
+    """The MindFormers row-layout switches of a raw model config (their defaults when absent):
+    ``contiguous_qkv`` (``use_contiguous_weight_layout_attention``, default False) and
+    ``interleaved_fc1`` (``use_interleaved_weight_layout_mlp``, default True); §3.1."""
     raw = raw or {}
     return {
         "contiguous_qkv": bool(raw.get("use_contiguous_weight_layout_attention", False)),
         "interleaved_fc1": bool(raw.get("use_interleaved_weight_layout_mlp", True)),
-        "mla_qkv_concat": bool(raw.get("mla_qkv_concat", True)),
-        "use_legacy": raw.get("use_legacy"),
-        "qkv_concat": bool(raw.get("qkv_concat", False)),
     }
