@@ -386,13 +386,18 @@ def save_mindformers(
     scalar entries; with ``optimizer_state`` (mff AdamW) also ``adam_m.*`` / ``adam_v.*`` and
     ``global_step``. ``format="safetensors"``: a folder ``path`` with
     ``ms-model-0000i-of-0000n.safetensors`` (metadata ``{"format": "ms"}``) and
-    ``param_name_map.json``, one shard in memory at a time. Files are written under temp
-    names and renamed. Returns the files written.
+    ``param_name_map.json``, one shard in memory at a time; tensors only (weights and moments,
+    no ``metadata`` and no step). Files are written under temp names and renamed. Returns the
+    files written.
 
     Raises:
-        ValueError: an unknown ``format``; a bad ``max_shard_size``.
+        ValueError: an unknown ``format``; a bad ``max_shard_size``; ``metadata`` with safetensors.
         MindFormersLayoutError: a model the layout cannot express.
     """
+    if format not in ("ckpt", "safetensors"):
+        raise ValueError(f"format={format!r}; expected ckpt or safetensors")
+    if metadata and format == "safetensors":
+        raise ValueError(f"metadata {sorted(metadata)} can only be written to a .ckpt (format='ckpt'), not to safetensors")
     items = list(mindformers_state(model, params, layout, optimizer_state, dtype))
     meta = dict(metadata or {})
     if optimizer_state is not None and "global_step" not in meta:
@@ -401,8 +406,6 @@ def save_mindformers(
     if format == "ckpt":
         write_ckpt(p, ((name, get) for name, _, _, get in items), metadata=meta)
         return [p]
-    if format != "safetensors":
-        raise ValueError(f"format={format!r}; expected ckpt or safetensors")
     limit = parse_size(max_shard_size)
     shards: list[list] = [[]]
     size = 0

@@ -77,7 +77,7 @@ class ConvertConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Output dtype; auto keeps the stored dtypes (FP8 weights become bfloat16, GGUF float32)."""
     max_shard_size: str = "5GB"
-    """--to hf: largest shard file, in bytes or with a unit (5GB, 500MB)."""
+    """--to hf, --to mindspore --ms-format safetensors: largest shard file, in bytes or with a unit (5GB, 500MB)."""
 
 
 def _tokenizer_files(src: str, kind: str, g=None) -> dict[str, str]:
