@@ -2,7 +2,10 @@
 
 - an HF model folder (``config.json`` + ``model.safetensors`` or a sharded index),
 - an mff checkpoint (a run folder with ``latest``, or one ``step_XXXXXXXX`` folder),
-- a ``.gguf`` file (llama.cpp; dequantised, names mapped to HF's).
+- a ``.gguf`` file (llama.cpp; dequantised, names mapped to HF's),
+- a MindFormers checkpoint (a MindSpore ``.ckpt`` file or MindFormers safetensors, Mcore or
+  legacy names; :mod:`mff.ckpt.mindformers`) with the model's HF ``config.json`` beside it (in
+  the same folder), as ``python -m mff.recipes.convert --to mindspore`` writes it.
 """
 
 from __future__ import annotations
@@ -14,20 +17,22 @@ import torch
 
 from mff.ckpt.checkpoint import CheckpointError, latest_step_dir, read_meta
 from mff.ckpt.hf import config_from_hf_dict, load_hf, load_hf_tensors
+from mff.ckpt.mindformers_source import mindformers_kind
 from mff.ckpt.safetensors_io import SafetensorsFolder
 from mff.model import Model
 from mff.models import get_family
 from mff.models.common import config_from_dict
 
-__all__ = ["load", "load_mff", "load_gguf", "resolve_mff_step_dir", "checkpoint_kind", "tokenizer_folder"]
+__all__ = ["load", "load_mff", "load_gguf", "load_mindspore", "resolve_mff_step_dir", "checkpoint_kind", "tokenizer_folder"]
 
 
 def checkpoint_kind(path: str | os.PathLike) -> str:
-    """``"gguf"``, ``"hf"`` or ``"mff"`` for ``path``.
+    """``"gguf"``, ``"hf"``, ``"mff"`` or ``"mindspore"`` (a MindSpore ``.ckpt`` file or
+    MindFormers safetensors, file or folder) for ``path``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is none of the three (the message says what each needs).
+        ValueError: ``path`` is none of these (the message says what each needs).
     """
     p = Path(path)
     if not p.exists():
@@ -36,13 +41,21 @@ def checkpoint_kind(path: str | os.PathLike) -> str:
         with open(p, "rb") as f:
             if f.read(4) == b"GGUF":
                 return "gguf"
-        raise ValueError(f"{p} is a file but not a GGUF file; pass an HF model folder, an mff checkpoint folder or a .gguf file")
-    if (p / "config.json").is_file():
+        if mindformers_kind(p) is not None:
+            return "mindspore"
+        raise ValueError(f"{p} is a file but not a GGUF file, a MindSpore .ckpt or MindFormers safetensors file; pass an HF "
+                         "model folder, an mff checkpoint folder, a .gguf file or a MindSpore/MindFormers checkpoint")
+    has_hf_weights = (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
+    if (p / "config.json").is_file() and has_hf_weights:
         return "hf"
     if (p / "latest").is_file() or (p / "meta.msgpack").is_file():
         return "mff"
+    if mindformers_kind(p) is not None:
+        return "mindspore"
+    if (p / "config.json").is_file():
+        return "hf"
     raise ValueError(f"{p} has no config.json (HF model folder), no latest or meta.msgpack (mff checkpoint), "
-                     "and is not a .gguf file; cannot tell what it holds")
+                     "no .ckpt or ms-model-*.safetensors (MindSpore/MindFormers), and is not a .gguf file; cannot tell what it holds")
 
 
 def resolve_mff_step_dir(path: str | os.PathLike) -> Path:
@@ -69,7 +82,8 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: tor
     """Load any supported checkpoint: ``model, params = mff.load(path)``.
 
     Args:
-        path: an HF model folder, an mff checkpoint folder (run or step folder) or a .gguf file.
+        path: an HF model folder, an mff checkpoint folder (run or step folder), a .gguf file, or a
+            MindSpore ``.ckpt`` / MindFormers safetensors checkpoint with the HF config.json beside it.
         device: where the params go.
         dtype: the params' dtype (the family's fp32 params, router weights and expert bias,
             stay fp32); None keeps the stored dtypes (FP8 weights become bf16).
@@ -87,6 +101,8 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: tor
         return load_hf(path, device, dtype)
     if kind == "mff":
         return load_mff(path, device, dtype)
+    if kind == "mindspore":
+        return load_mindspore(path, device=device, dtype=dtype)
     model, params, _ = load_gguf(path, device, dtype, with_tokenizer=False)
     return model, params
 
@@ -105,12 +121,38 @@ def load_gguf(path: str | os.PathLike, device: torch.device | str = "cpu", dtype
     return model, params, g
 
 
+def load_mindspore(path: str | os.PathLike, family: str | None = None, config: str | os.PathLike | None = None,
+                   device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32):
+    """``(model, params)`` from a MindSpore ``.ckpt`` or MindFormers safetensors checkpoint.
+
+    The model config is ``config`` (an HF config.json, a MindFormers config JSON or YAML) or else
+    the ``config.json`` in the checkpoint's folder; ``family`` (e.g. ``qwen3``) is needed when the
+    config has no ``model_type``. Errors as :func:`mff.ckpt.mindformers.load_mindformers`, and
+    ValueError when there is no config.
+    """
+    from mff.ckpt.mindformers import load_mindformers
+
+    p = Path(path)
+    if config is None:
+        beside = (p if p.is_dir() else p.parent) / "config.json"
+        if not beside.is_file():
+            raise ValueError(f"{p} is a MindSpore/MindFormers checkpoint, which does not name its model: put the model's HF "
+                             f"config.json beside it ({beside}), or convert it with python -m mff.recipes.convert --src {p} "
+                             "--model FAMILY --config CONFIG")
+        config = beside
+    ck = load_mindformers(p, family, config_path=config, device=device, dtype=dtype)
+    return ck.model, ck.params
+
+
 def tokenizer_folder(path: str | os.PathLike) -> Path:
     """The folder holding a checkpoint's tokenizer files: an HF folder itself; for an mff
     checkpoint the step folder when it has a tokenizer.json, else the run folder (where
-    pretraining keeps it)."""
+    pretraining keeps it); for a MindSpore/MindFormers checkpoint file its folder."""
     p = Path(path)
-    if checkpoint_kind(p) != "mff":
+    kind = checkpoint_kind(p)
+    if kind == "mindspore" and p.is_file():
+        return p.parent
+    if kind != "mff":
         return p
     step = resolve_mff_step_dir(p)
     return step if (step / "tokenizer.json").is_file() else step.parent

@@ -1,14 +1,25 @@
 """Convert checkpoints between formats.
 
-    python -m mff.recipes.convert --src PATH --dst PATH --to hf|mff [--dtype auto|float32|bfloat16]
+    python -m mff.recipes.convert --src PATH --dst PATH --to hf|mff|mindspore [--dtype auto|float32|bfloat16]
+                                  [--model FAMILY --config CONFIG]
 
 ``--src`` is an HF model folder (config.json + safetensors, sharded or not, FP8 included), an
-mff checkpoint (run or step folder) or a .gguf file. ``--to hf`` writes a folder that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads (experts one tensor per expert);
-``--to mff`` writes a weights-only mff checkpoint (``DST/step_00000000``, ``DST/latest``) that
-``mff.load`` and ``pretrain --init-from`` read. The tokenizer travels along: an HF folder's
-tokenizer files, an mff run's tokenizer.json, or a GGUF file's tokenizer and chat template
-(written as tokenizer.json and tokenizer_config.json).
+mff checkpoint (run or step folder), a .gguf file, or a MindFormers checkpoint: a MindSpore
+``.ckpt`` file or MindFormers safetensors (a ``{"format": "ms"}`` file or a folder of
+``ms-model-*.safetensors``), Mcore or legacy names, training checkpoints included (optimizer
+state and router buffers are skipped). A MindFormers checkpoint does not name its model: pass
+``--config`` (the model's HF config.json, or a MindFormers config JSON / YAML) and, when that
+config has no ``model_type``, ``--model FAMILY``; without ``--config`` the config.json beside the
+checkpoint is used.
+
+``--to hf`` writes a folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+(experts one tensor per expert); ``--to mff`` writes a weights-only mff checkpoint
+(``DST/step_00000000``, ``DST/latest``) that ``mff.load`` and ``pretrain --init-from`` read;
+``--to mindspore`` writes ``DST/model.ckpt`` in MindFormers' Mcore names (``--ms-format
+safetensors``: ``ms-model-*.safetensors`` + ``param_name_map.json``) and the HF ``config.json``,
+which MindFormers reads as ``pretrained_model_dir`` and ``mff.load`` reads back. The tokenizer
+travels along: an HF folder's tokenizer files, an mff run's tokenizer.json, or a GGUF file's
+tokenizer and chat template (written as tokenizer.json and tokenizer_config.json).
 
 The source is read one shard at a time and the output is streamed to disk, so peak memory
 stays near the model's size plus one shard. The output is written into a temp folder beside
@@ -32,9 +43,10 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from mff.ckpt.autoload import checkpoint_kind, load, load_gguf, tokenizer_folder
+from mff.ckpt.autoload import checkpoint_kind, load, load_gguf, load_mindspore, tokenizer_folder
 from mff.ckpt.checkpoint import CheckpointError, remove_stale_tmp, save_weights
 from mff.ckpt.hf import save_hf
+from mff.ckpt.mindformers import save_mindformers
 from mff.ckpt.safetensors_io import parse_size
 from mff.recipes.common import config_to_dict, fail
 
@@ -51,15 +63,21 @@ class ConvertConfig:
     """Checkpoint conversion."""
 
     src: str
-    """Source: an HF model folder, an mff checkpoint folder or a .gguf file."""
+    """Source: an HF model folder, an mff checkpoint folder, a .gguf file, or a MindSpore .ckpt / MindFormers safetensors checkpoint."""
     dst: str
     """Output folder (must not exist, or be empty)."""
-    to: Literal["hf", "mff"]
-    """Output format: hf (transformers-loadable folder) or mff (weights-only mff checkpoint)."""
+    to: Literal["hf", "mff", "mindspore"]
+    """Output format: hf (transformers-loadable folder), mff (weights-only mff checkpoint) or mindspore (MindFormers Mcore .ckpt)."""
+    model: str | None = None
+    """MindFormers source: the model family (qwen3, qwen3_moe, deepseek3, telechat3, glm4, glm4_moe, llama) when --config has no model_type."""
+    config: str | None = None
+    """MindFormers source: the model config (HF config.json, MindFormers config JSON or YAML); default: config.json beside --src."""
+    ms_format: Literal["ckpt", "safetensors"] = "ckpt"
+    """--to mindspore: a .ckpt file or MindFormers safetensors shards."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Output dtype; auto keeps the stored dtypes (FP8 weights become bfloat16, GGUF float32)."""
     max_shard_size: str = "5GB"
-    """--to hf: largest shard file, in bytes or with a unit (5GB, 500MB)."""
+    """--to hf, --to mindspore --ms-format safetensors: largest shard file, in bytes or with a unit (5GB, 500MB)."""
 
 
 def _tokenizer_files(src: str, kind: str, g=None) -> dict[str, str]:
@@ -92,7 +110,9 @@ def convert(cfg: ConvertConfig) -> Path:
         FileExistsError: ``--dst`` exists and is not an empty folder.
         PermissionError: ``--dst``'s parent folder is not writable.
         ValueError, FileNotFoundError, CheckpointError: as :func:`mff.load` raises them;
-            a bad ``--max-shard-size``.
+            a bad ``--max-shard-size``; a MindFormers source without a config (or one that
+            does not fit its tensors: the tensor and both shapes named); ``--model`` /
+            ``--config`` with a source that names its own model.
     """
     dst = Path(cfg.dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
@@ -105,10 +125,16 @@ def convert(cfg: ConvertConfig) -> Path:
         raise PermissionError(f"--dst {dst}: cannot write in {parent}")
     parse_size(cfg.max_shard_size)
     kind = checkpoint_kind(cfg.src)
+    if kind != "mindspore" and (cfg.model is not None or cfg.config is not None):
+        raise ValueError(f"--model / --config are for MindSpore/MindFormers checkpoints; {cfg.src} is an {kind} checkpoint "
+                         "that names its own model")
     remove_stale_tmp(dst.absolute().parent, f".tmp-{dst.name}-*")  # temp folders of killed conversions into --dst
     if kind == "gguf":  # one read gives the weights and the tokenizer
         model, params, g = load_gguf(cfg.src, dtype=DTYPES[cfg.dtype])
         extra = _tokenizer_files(cfg.src, kind, g)
+    elif kind == "mindspore":
+        model, params = load_mindspore(cfg.src, cfg.model, cfg.config, dtype=DTYPES[cfg.dtype])
+        extra = _tokenizer_files(cfg.src, kind)
     else:
         model, params = load(cfg.src, dtype=DTYPES[cfg.dtype])
         extra = _tokenizer_files(cfg.src, kind)
@@ -120,10 +146,15 @@ def convert(cfg: ConvertConfig) -> Path:
             tmp = dst.absolute().with_name(f".tmp-{dst.name}-{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             try:
-                meta = {"family": model.family.name, "size": "converted", "config": config_to_dict(model.config), "source": str(cfg.src)}
-                save_weights(tmp, params, meta, progress=bar.update)
-                if "tokenizer.json" in extra:
-                    (tmp / "tokenizer.json").write_text(extra["tokenizer.json"])
+                if cfg.to == "mff":
+                    meta = {"family": model.family.name, "size": "converted", "config": config_to_dict(model.config), "source": str(cfg.src)}
+                    save_weights(tmp, params, meta, progress=bar.update)
+                    extra = {k: v for k, v in extra.items() if k == "tokenizer.json"}
+                else:
+                    _save_mindspore(tmp, model, params, cfg)
+                    bar.update(total)
+                for name, text in extra.items():
+                    (tmp / name).write_text(text)
                 if dst.exists():
                     dst.rmdir()
                 os.replace(tmp, dst)
@@ -134,6 +165,18 @@ def convert(cfg: ConvertConfig) -> Path:
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
     print(f"wrote {out} ({model.family.name}, {size} of weights)")
     return out
+
+
+def _save_mindspore(folder: Path, model, params, cfg: ConvertConfig) -> None:
+    """``folder/model.ckpt`` (or MindFormers safetensors shards) in Mcore names + the HF config.json."""
+    if model.family.to_hf_config is None:
+        raise ValueError(f"family {model.family.name} has no HF config mapping")
+    folder.mkdir(parents=True)
+    if cfg.ms_format == "ckpt":
+        save_mindformers(folder / "model.ckpt", model, params, format="ckpt")
+    else:
+        save_mindformers(folder, model, params, format="safetensors", max_shard_size=cfg.max_shard_size)
+    (folder / "config.json").write_text(json.dumps(model.family.to_hf_config(model.config), indent=2) + "\n")
 
 
 def _terminate(signum, frame):

@@ -41,7 +41,7 @@ class GenerateConfig:
     """Text generation from a checkpoint."""
 
     ckpt: str
-    """An HF model folder, an mff checkpoint (run or step folder) or a .gguf file."""
+    """An HF model folder, an mff checkpoint (run or step folder), a .gguf file, or a MindSpore .ckpt / MindFormers checkpoint with its HF config.json beside it."""
     prompt: str
     """The prompt text (with --chat: the user message)."""
     max_new_tokens: int = 128
@@ -131,11 +131,12 @@ def _load(cfg: GenerateConfig, device: torch.device):
         if g.tokenizer is None and cfg.tokenizer is None:
             raise ValueError(f"{path} holds no tokenizer; pass --tokenizer PATH")
         text = _Text(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, _as_list(g.config.get("eos_token_id")))
-    elif kind == "hf":
+    elif kind in ("hf", "mindspore"):
         model, params = load(path, device, dtype)
-        hf_config = json.loads((path / "config.json").read_text())
-        if (path / "tokenizer.json").is_file() or cfg.tokenizer is None:
-            text = _hf_text(path, hf_config)
+        folder = path if path.is_dir() else path.parent  # a MindSpore .ckpt file: its config.json and tokenizer are beside it
+        hf_config = json.loads((folder / "config.json").read_text())
+        if (folder / "tokenizer.json").is_file() or cfg.tokenizer is None:
+            text = _hf_text(folder, hf_config)
         else:
             text = _Text(None, None, None, None, _as_list(hf_config.get("eos_token_id")))
     else:

@@ -82,7 +82,8 @@ class PretrainConfig(Generic[C]):
     seed: int = 0
     """Seed of the param init and the data order."""
     init_from: str | None = None
-    """Start from these weights (an HF model folder, an mff checkpoint or a .gguf file) with a fresh optimizer and step 0; the model
+    """Start from these weights (an HF model folder, an mff checkpoint, a .gguf file, or a MindSpore .ckpt / MindFormers checkpoint
+    with its HF config.json beside it) with a fresh optimizer and step 0; the model
     config is the checkpoint's (--model.* fields override it). Ignored when --ckpt-dir already holds a checkpoint (that resumes)."""
     ckpt_dir: str = "runs/pretrain"
     """Checkpoint folder; a run with a complete checkpoint there resumes from it."""
