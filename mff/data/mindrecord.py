@@ -485,7 +485,7 @@ def find_shards(path: str) -> list[list[str]]:
     """The MindRecord datasets ``path`` names, each as its shard files in shard order.
 
     ``path`` may be one data file (any shard of a dataset: its header lists all of them; they are
-    looked up beside it), a folder (every ``*.mindrecord`` / ``*.mindrecordN`` file in it, not
+    looked up beside it; a dataset of one shard may have been renamed), a folder (every ``*.mindrecord`` / ``*.mindrecordN`` file in it, not
     recursive) or a glob pattern. Files of the same dataset count once; datasets come in the order
     of their first file name.
 
@@ -513,7 +513,8 @@ def find_shards(path: str) -> list[list[str]]:
         header, _ = _read_header(f)
         addresses = [str(a) for a in header.get("shard_addresses") or [os.path.basename(f)]]
         folder = os.path.dirname(os.path.abspath(f))
-        shards = [_resolve_address(folder, a) for a in addresses]
+        # a one-file dataset is read under whatever name it has now (files get renamed and copied)
+        shards = [f] if len(addresses) == 1 else [_resolve_address(folder, a) for a in addresses]
         for k, s in enumerate(shards):
             if not os.path.isfile(s):
                 raise FileNotFoundError(f"MindRecord: shard {k} of {len(shards)} ({s}) is missing; the header of {f} names shards {addresses}")
@@ -602,7 +603,7 @@ def _pack_scalar(v: Any) -> bytes:
     # MindSpore packs a row through nlohmann::json::to_msgpack: a float takes 4 bytes when float32 holds it exactly
     if isinstance(v, (float, np.floating)):
         v = float(v)
-        return msgpack.packb(v, use_single_float=bool(np.float32(v) == v))
+        return msgpack.packb(v, use_single_float=float(np.float32(v)) == v)
     if isinstance(v, np.integer):
         v = int(v)
     return msgpack.packb(v)
@@ -796,6 +797,7 @@ def write_mindrecord(path: str, rows: Iterable[Mapping[str, Any]], schema: Mappi
     rows = list(rows)
     encoded = [_encode_row(i, r, schema, blob_fields, compressed) for i, r in enumerate(rows)]
     paths = [str(path)] if shard_num == 1 else [f"{path}{k}" for k in range(shard_num)]
+    os.makedirs(os.path.dirname(os.path.abspath(paths[0])), exist_ok=True)
     names = [os.path.basename(p) for p in paths]
     per, extra = divmod(len(rows), shard_num)
     bounds = np.cumsum([0] + [per + (k < extra) for k in range(shard_num)])
