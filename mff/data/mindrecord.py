@@ -41,7 +41,7 @@ import re
 import sqlite3
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -670,8 +670,8 @@ class _NewPage:
     type_id: int
     start_row: int = 0
     end_row: int = 0
-    groups: list = None  # [(group id, offset)]
-    chunks: list = None  # row bytes with their length prefixes
+    groups: list[tuple[int, int]] = field(default_factory=list)  # (row group id, offset)
+    chunks: list[bytes] = field(default_factory=list)  # rows with their length prefixes
 
     @property
     def used(self) -> int:
@@ -701,7 +701,7 @@ def _lay_out(blobs: list[bytes], raws: list[bytes], page_size: int) -> tuple[lis
     pages: list[_NewPage] = []
     where: list[list] = [[0] * 6 for _ in blobs]
     for g, (a, e) in enumerate(groups):  # blob pages first: group g is blob page g
-        p = _NewPage(len(pages), BLOB_PAGE, g, a, e, [], [])
+        p = _NewPage(len(pages), BLOB_PAGE, g, a, e)
         for i in range(a, e):
             where[i][3:6] = [g, p.page_id, p.used]
             p.chunks.append(len(blobs[i]).to_bytes(8, "little") + blobs[i])
@@ -712,7 +712,7 @@ def _lay_out(blobs: list[bytes], raws: list[bytes], page_size: int) -> tuple[lis
         if raw_page is None or raw_page.used + size > page_size:
             # MindSpore numbers a later raw page's page_type_id from the previous raw page's page_id
             type_id = 0 if raw_page is None else raw_page.page_id + 1
-            raw_page = _NewPage(len(pages), RAW_PAGE, type_id, 0, 0, [], [])
+            raw_page = _NewPage(len(pages), RAW_PAGE, type_id)
             pages.append(raw_page)
         raw_page.groups.append((g, raw_page.used))
         for i in range(a, e):

@@ -95,7 +95,7 @@ _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
 # settings mff's DeepSeek-V3-style families always have: used when the YAML agrees, else listed
 _FIXED = {"deepseek3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_router_score_function": "sigmoid",
-                        "moe_router_load_balancing_type": "seq_aux_loss"}}
+                        "moe_router_load_balancing_type": "seq_aux_loss", "moe_config.use_gating_sigmoid": True}}
 _FIXED["telechat3"] = _FIXED["deepseek3"]
 _SCHEDULES = {"ConstantWarmUpLR": "constant", "CosineWithWarmUpLR": "cosine", "LinearWithWarmUpLR": "linear"}
 _ADAMW = ("AdamW", "AdamWeightDecay", "FusedAdamWeightDecay", "PmaAdamW", "FusedAdamW")
@@ -382,12 +382,12 @@ def translate(path: str) -> Translation:
         raise ValueError(f"{t.where}: model.model_config: {str(e).replace('config.json: ', '')}") from None
     flags += _model_flags(family, cfg, set(hf))
     for key, want in _FIXED.get(family, {}).items():
-        path = f"model.model_config.{key}"
-        got = t.get(path, use=False)
-        if got == want:
-            t.used.add(path)
-        elif got is not None:
-            t.skip(path, f"mff's {family} always uses {want}")
+        for path in (f"model.model_config.{key}", key):
+            got = t.get(path, use=False)
+            if got == want:
+                t.used.add(path)
+            elif got is not None:
+                t.skip(path, f"mff's {family} always uses {want}")
 
     if t.get("trainer.type", use=False) == "CausalLanguageModelingTrainer":
         t.used.add("trainer.type")  # pretraining, what this recipe does
