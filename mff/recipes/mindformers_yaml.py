@@ -393,13 +393,17 @@ def translate(path: str) -> Translation:
         t.used.add("trainer.type")  # pretraining, what this recipe does
 
     # sequence length and precision
-    _, seq = t.first("model.model_config.seq_length", "train_dataset.data_loader.config.seq_length",
-                     "train_dataset.dataloader.config.seq_length")
+    seq_path, seq = t.first("model.model_config.seq_length", "train_dataset.data_loader.config.seq_length",
+                            "train_dataset.dataloader.config.seq_length")
     if seq is not None:
-        flags += ["--seq-len", str(_int(t, "seq_length", seq))]
+        flags += ["--seq-len", str(_int(t, seq_path, seq))]
     for p in ("train_dataset.data_loader.config.seq_length", "train_dataset.dataloader.config.seq_length"):
-        if t.get(p, use=False) is not None and seq is not None and t.get(p, use=False) == seq:
-            t.used.add(p)
+        other = t.get(p, use=False)
+        if other is not None and seq is not None:
+            if other == seq:
+                t.used.add(p)
+            else:
+                t.skip(p, f"differs from {seq_path} {seq}, which --seq-len takes")
     cpath, compute = t.first("model.model_config.compute_dtype")
     ppath, params = t.first("model.model_config.params_dtype", "model.model_config.param_init_type")
     if compute is not None or params is not None:
