@@ -22,9 +22,9 @@ from mff.data.mindrecord import (
     encode_int_array,
     find_shards,
     is_mindrecord,
-    write_mindrecord,
 )
 from mff.data.mindrecord_source import MindRecordTokens, PackedRows
+from mff.data.mindrecord_writer import write_mindrecord
 from tests.cli_util import ROOT, run_cli, tiny_args
 from tests.data_util import write_indexed
 

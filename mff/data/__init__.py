@@ -24,7 +24,8 @@ from .gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets
 from .indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from .loader import Loader, eval_batches, split_microbatches
 from .megatron_source import MegatronData, SampleLoader, as_blend, build_megatron_data
-from .mindrecord import MindRecordDataset, write_mindrecord
+from .mindrecord import MindRecordDataset
+from .mindrecord_writer import write_mindrecord
 from .packing import PackedTokens, document_ids, windows_to_examples
 from .pretrain import PretrainData, build_pretrain_data
 from .stats import unigram_entropy
