@@ -5,7 +5,8 @@ Raw text: `build_pretrain_data(DataConfig(...), seq_len)` -> `PretrainData` with
 and packed train/val windows; `Loader` turns windows into deterministic, resumable,
 data-parallel batches. Megatron data: `IndexedDataset` / `IndexedDatasetBuilder` (.bin/.idx),
 `build_gpt_datasets` / `build_blended_gpt_datasets` (Megatron's samples), and
-`build_megatron_data` + `SampleLoader` for pretraining.
+`build_megatron_data` + `SampleLoader` for pretraining. MindRecord: `MindRecordDataset` /
+`write_mindrecord` (no MindSpore needed); as ``--data.path`` it feeds the same pipeline.
 """
 
 from .blend import Blend, BlendedDataset, build_blended_gpt_datasets, build_blending_indices, parse_blend
@@ -23,6 +24,8 @@ from .gpt_dataset import GPTDataset, GPTDatasetConfig, build_gpt_datasets
 from .indexed import IndexedDataset, IndexedDatasetBuilder, best_dtype
 from .loader import Loader, eval_batches, split_microbatches
 from .megatron_source import MegatronData, SampleLoader, as_blend, build_megatron_data
+from .mindrecord import MindRecordDataset
+from .mindrecord_writer import write_mindrecord
 from .packing import PackedTokens, document_ids, windows_to_examples
 from .pretrain import PretrainData, build_pretrain_data
 from .stats import unigram_entropy
@@ -44,6 +47,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "MegatronData",
+    "MindRecordDataset",
     "SampleLoader",
     "TiktokenEncoder",
     "as_blend",
@@ -79,4 +83,5 @@ __all__ = [
     "train_bpe",
     "unigram_entropy",
     "windows_to_examples",
+    "write_mindrecord",
 ]

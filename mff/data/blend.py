@@ -20,8 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, build_gpt_datasets, split_ranges
-from .indexed import IndexedDataset
+from .gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, build_gpt_datasets, make_dataset, split_ranges
+from .indexed import open_indexed
 
 SURPLUS = 0.005
 """Megatron's ``mid_level_dataset_surplus``: extra share of samples each blended dataset builds."""
@@ -227,7 +227,7 @@ def build_blended_gpt_datasets(blend: str | Sequence[str] | Blend, num_samples: 
     if b.weights is None:
         return build_gpt_datasets(b.prefixes[0], num_samples, config)
     weights = normalize_weights(b.weights)
-    indexed = [IndexedDataset(p) for p in b.prefixes]
+    indexed = [open_indexed(p) for p in b.prefixes]
     ranges = [split_ranges(config.split, len(ds)) for ds in indexed]
     out: list[BlendedDataset | GPTDataset | None] = []
     for s, name in enumerate(SPLIT_NAMES):
@@ -244,9 +244,9 @@ def build_blended_gpt_datasets(blend: str | Sequence[str] | Blend, num_samples: 
         for k, ds in enumerate(indexed):
             a, e = ranges[k][s]
             docs = np.arange(a, e, dtype=np.int32)
-            part = GPTDataset(ds, docs, buffers[k], config, name)
+            part = make_dataset(ds, docs, buffers[k], config, name)
             if len(part) < taken[k]:  # where Megatron stops with "the blend oversamples"
-                part = GPTDataset(ds, docs, int(taken[k]), config, name)
+                part = make_dataset(ds, docs, int(taken[k]), config, name)
             parts.append(part)
         out.append(BlendedDataset(parts, dataset_index, dataset_sample_index))
     return out

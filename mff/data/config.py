@@ -16,7 +16,7 @@ class DataConfig:
     """Where the pretraining text comes from, how it is tokenized, split and cached."""
 
     path: tuple[str, ...] = ()
-    """Corpus inputs: .txt files (one document each), .jsonl files (one document per line) or folders (every .txt and .jsonl inside, recursively); or Megatron indexed datasets in Megatron's blend syntax: PREFIX, or "0.7 PREFIX_A 0.3 PREFIX_B" (PREFIX.bin/.idx files, e.g. from mff.recipes.preprocess). Empty: the .py files of the running Python's standard library, one document per file."""
+    """Corpus inputs: .txt files (one document each), .jsonl files (one document per line) or folders (every .txt and .jsonl inside, recursively); or Megatron indexed datasets in Megatron's blend syntax: PREFIX, or "0.7 PREFIX_A 0.3 PREFIX_B" (PREFIX.bin/.idx files, e.g. from mff.recipes.preprocess); a PREFIX may also be MindRecord data (X.mindrecord, any shard of a multi-shard dataset, or a folder of .mindrecord files) whose input_ids rows are the documents (rows of exactly seq-len + 1 tokens are one sample each, as MindFormers reads them). Empty: the .py files of the running Python's standard library, one document per file."""
 
     tokenizer: str | None = None
     """A Hugging Face tokenizer.json or a tiktoken rank file (*.tiktoken, regex and special tokens from a <file>.json sidecar or its known name, see mff.data.tiktoken_bpe) to use. None: train a byte-level BPE on the train split."""

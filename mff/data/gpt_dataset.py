@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cache import cache_key, save_json, save_npy
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, open_indexed
 from .packing import document_ids as _document_ids
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -308,7 +308,8 @@ class GPTDataset:
 
     def cache_paths(self) -> dict[str, str]:
         """The cache files of this dataset: keys description, document_index, sample_index, shuffle_index."""
-        folder = self.config.cache_dir or os.path.join(self.indexed.prefix, "cache", "GPTDataset_indices")
+        folder = (self.config.cache_dir or getattr(self.indexed, "cache_folder", None)
+                  or os.path.join(self.indexed.prefix, "cache", "GPTDataset_indices"))
         base = f"{cache_key(self._description())}-GPTDataset-{self.split_name}"
         names = {"description": "description.json", "document_index": "document_index.npy",
                  "sample_index": "sample_index.npy", "shuffle_index": "shuffle_index.npy"}
@@ -364,27 +365,41 @@ class GPTDataset:
         return np.concatenate(parts).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        """Sample `i` as a training example, each value int64 [seq_len].
+        """Sample `i` as a training example (see `sample_fields`)."""
+        return sample_fields(self.tokens(i), self.config)
 
-        ``input_ids`` = tokens[:-1]; ``labels`` = tokens[1:] (-100 where the input token is EOD
-        when ``eod_mask_loss``); ``position_ids``: 0..seq_len-1, restarting after each EOD input
-        when ``reset_position_ids``; ``document_ids``: +1 after each EOD input when
-        ``reset_attention_mask`` (see `mff.data.packing.document_ids`), else all 0.
-        """
-        w = self.tokens(i)
-        cfg = self.config
-        input_ids, labels = w[:-1].copy(), w[1:].copy()
-        if cfg.eod_mask_loss:
-            labels[input_ids == cfg.eod_id] = -100
-        if cfg.reset_position_ids:
-            position_ids = _reset_positions(input_ids, cfg.eod_id)
-        else:
-            position_ids = np.arange(len(input_ids), dtype=np.int64)
-        if cfg.reset_attention_mask:
-            doc_ids = _document_ids(input_ids, cfg.eod_id)
-        else:
-            doc_ids = np.zeros(len(input_ids), dtype=np.int64)
-        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "document_ids": doc_ids}
+
+def sample_fields(tokens: np.ndarray, cfg: GPTDatasetConfig) -> dict[str, np.ndarray]:
+    """The training example of one sample's ``seq_len + 1`` tokens, each value int64 [seq_len].
+
+    ``input_ids`` = tokens[:-1]; ``labels`` = tokens[1:] (-100 where the input token is EOD
+    when ``eod_mask_loss``); ``position_ids``: 0..seq_len-1, restarting after each EOD input
+    when ``reset_position_ids``; ``document_ids``: +1 after each EOD input when
+    ``reset_attention_mask`` (see `mff.data.packing.document_ids`), else all 0.
+    """
+    w = np.asarray(tokens, dtype=np.int64)
+    input_ids, labels = w[:-1].copy(), w[1:].copy()
+    if cfg.eod_mask_loss:
+        labels[input_ids == cfg.eod_id] = -100
+    if cfg.reset_position_ids:
+        position_ids = _reset_positions(input_ids, cfg.eod_id)
+    else:
+        position_ids = np.arange(len(input_ids), dtype=np.int64)
+    if cfg.reset_attention_mask:
+        doc_ids = _document_ids(input_ids, cfg.eod_id)
+    else:
+        doc_ids = np.zeros(len(input_ids), dtype=np.int64)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "document_ids": doc_ids}
+
+
+def make_dataset(indexed, documents: np.ndarray, num_samples: int | None, config: GPTDatasetConfig, split_name: str):
+    """The samples of one split of ``indexed``: a `GPTDataset`, or what the dataset builds itself
+    when it has a ``build_samples`` method (MindRecord rows that are already packed samples, see
+    `mff.data.mindrecord_source`)."""
+    build = getattr(indexed, "build_samples", None)
+    if build is not None:
+        return build(documents, num_samples, config, split_name)
+    return GPTDataset(indexed, documents, num_samples, config, split_name)
 
 
 def build_gpt_datasets(prefix: str | IndexedDataset, num_samples: tuple[int | None, int | None, int | None],
@@ -405,12 +420,12 @@ def build_gpt_datasets(prefix: str | IndexedDataset, num_samples: tuple[int | No
             tokens asked for 0 samples or None is an empty dataset, as in Megatron.
         FileNotFoundError: see `IndexedDataset`.
     """
-    indexed = prefix if isinstance(prefix, IndexedDataset) else IndexedDataset(prefix)
+    indexed = open_indexed(prefix) if isinstance(prefix, (str, os.PathLike)) else prefix
     out: list[GPTDataset | None] = []
     for name, rng, n in zip(SPLIT_NAMES, split_ranges(config.split, len(indexed)), num_samples):
         if rng is None:
             out.append(None)
             continue
-        out.append(GPTDataset(indexed, np.arange(rng[0], rng[1], dtype=np.int32), n, config, name))
+        out.append(make_dataset(indexed, np.arange(rng[0], rng[1], dtype=np.int32), n, config, name))
     return out
 

@@ -83,6 +83,23 @@ def best_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size is not None and vocab_size < 65500 else np.dtype(np.int32)
 
 
+def open_indexed(path):
+    """The token sequences at ``path``: a Megatron `IndexedDataset` for a ``PREFIX``, or for
+    MindRecord data (a ``.mindrecord`` file, a folder or glob of them) its ``input_ids`` rows
+    with the same interface (`mff.data.mindrecord_source.MindRecordTokens`).
+
+    Raises:
+        FileNotFoundError, ValueError: see `IndexedDataset` and `mff.data.mindrecord_source`.
+    """
+    from .mindrecord import is_mindrecord
+
+    if is_mindrecord(str(path)):
+        from .mindrecord_source import open_mindrecord_tokens
+
+        return open_mindrecord_tokens(str(path))
+    return IndexedDataset(path)
+
+
 class IndexedDataset:
     """Read-only view of a Megatron ``PREFIX.bin``/``PREFIX.idx`` pair.
 

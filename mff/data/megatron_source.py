@@ -1,5 +1,8 @@
 """Pretraining from Megatron indexed datasets: ``--data.path`` in Megatron's blend syntax.
 
+A blend entry may also be MindRecord data (a ``.mindrecord`` file, folder or glob), read through
+:mod:`mff.data.mindrecord_source` with the same samples, blending and resume.
+
 ``--data.path PREFIX`` or ``--data.path 0.7 PREFIX_A 0.3 PREFIX_B`` (each prefix names a
 ``PREFIX.bin``/``PREFIX.idx`` pair, e.g. written by ``python -m mff.recipes.preprocess``) gives
 Megatron's GPT samples (:mod:`mff.data.gpt_dataset`, :mod:`mff.data.blend`): split by document
@@ -26,23 +29,25 @@ import torch
 from .blend import Blend, build_blended_gpt_datasets, parse_blend
 from .config import DataConfig
 from .gpt_dataset import GPTDatasetConfig, split_ranges
-from .indexed import IndexedDataset, bin_path, idx_path
+from .indexed import bin_path, idx_path, open_indexed
 from .loader import check_batch_split, eval_bounds
+from .mindrecord import is_mindrecord
 from .tokenizer import find_eod_id, load_tokenizer
 
 __all__ = ["MegatronData", "SampleLoader", "as_blend", "batch_keys", "build_megatron_data", "sample_batches"]
 
 
 def _is_prefix(p: str) -> bool:
-    return os.path.isfile(idx_path(p)) or os.path.isfile(bin_path(p))
+    return os.path.isfile(idx_path(p)) or os.path.isfile(bin_path(p)) or is_mindrecord(p)
 
 
 def as_blend(paths: Sequence[str]) -> Blend | None:
     """The blend ``paths`` spell, or None when they are raw corpus files/folders.
 
     ``paths`` are the ``--data.path`` values; an element holding spaces is split (so
-    ``"0.7 A 0.3 B"`` works quoted or not). They are Megatron data when any of them is a number
-    or a path prefix with a ``.bin``/``.idx`` beside it.
+    ``"0.7 A 0.3 B"`` works quoted or not). They are Megatron data when any of them is a number,
+    a path prefix with a ``.bin``/``.idx`` beside it, or MindRecord data (a ``.mindrecord`` file,
+    a folder or glob of them; see :mod:`mff.data.mindrecord_source`).
 
     Raises:
         ValueError: a malformed blend (see :func:`mff.data.blend.parse_blend`), or raw corpus
@@ -61,7 +66,8 @@ def as_blend(paths: Sequence[str]) -> Blend | None:
         if not _is_prefix(p):
             if os.path.exists(p):
                 raise ValueError(f"--data.path mixes raw corpus paths ({p!r}) with Megatron indexed datasets {prefixes}; use one kind")
-            raise FileNotFoundError(f"--data.path: no indexed dataset {p!r} (expected {idx_path(p)} and {bin_path(p)})")
+            raise FileNotFoundError(f"--data.path: no indexed dataset {p!r} (expected {idx_path(p)} and {bin_path(p)}, "
+                                    "or a .mindrecord file, a folder or glob of them)")
     return blend
 
 
@@ -102,11 +108,13 @@ class MegatronData:
 def _one_pass(prefix: str, cfg: GPTDatasetConfig) -> int:
     """Samples in one pass of ``prefix``'s valid split: ``(tokens - 1) // seq_len`` (each sample
     takes seq_len + 1 tokens, consecutive ones sharing one), counted from the sequence lengths
-    without building any index."""
-    ds = IndexedDataset(prefix)
+    without building any index; the row count for MindRecord rows that are packed samples."""
+    ds = open_indexed(prefix)
     rng = split_ranges(cfg.split, len(ds))[1]
     if rng is None:
         return 0
+    if getattr(ds, "rows_are_samples", None) and ds.rows_are_samples(cfg.seq_len):
+        return rng[1] - rng[0]  # packed MindRecord rows: one sample each
     return max(0, (int(ds.sequence_lengths[rng[0]:rng[1]].sum()) - 1) // cfg.seq_len)
 
 
@@ -145,11 +153,12 @@ def build_megatron_data(cfg: DataConfig, blend: Blend, seq_len: int, seed: int, 
     train, val, _ = build_blended_gpt_datasets(blend, (train_samples, n_val, 0), gcfg)
     if train is None or len(train) == 0:
         raise ValueError(f"--data.split {cfg.split!r} leaves no training samples in {' '.join(blend.prefixes)}")
-    indexed = [IndexedDataset(p) for p in blend.prefixes]
+    indexed = [open_indexed(p) for p in blend.prefixes]
     stats = {"documents": sum(ds.num_documents for ds in indexed), "tokens": sum(int(ds.sequence_lengths.sum()) for ds in indexed),
              "train_samples": len(train), "val_samples": len(val) if val is not None else 0}
     if not quiet:
-        print(f"data: Megatron indexed data {' '.join(blend.prefixes)}: {stats['documents']:,} documents, {stats['tokens']:,} tokens; "
+        kind = "MindRecord" if all(is_mindrecord(p) for p in blend.prefixes) else "Megatron indexed"
+        print(f"data: {kind} data {' '.join(blend.prefixes)}: {stats['documents']:,} documents, {stats['tokens']:,} tokens; "
               f"split {cfg.split}: {stats['train_samples']:,} train samples, {stats['val_samples']:,} valid samples of {seq_len + 1} tokens",
               flush=True)
     vocab = tokenizer.get_vocab_size() if tokenizer is not None else None

@@ -4,6 +4,9 @@ backend -> mesh -> model and params -> data -> optimizer -> resume -> loop {step
 checkpoint}. ``--model FAMILY --size NAME`` pick the model config; ``--model.<hf-field>``
 overrides any of its fields; every other option is a flag (``--help`` lists them). Under
 ``torchrun`` the same command runs data-parallel (FSDP over ``--parallel.dp-shard``).
+``--from-mindformers-yaml run.yaml`` starts from the flags a MindFormers pretraining YAML
+translates to (printed, with the YAML keys it ignores; flags given too win; see
+mff.recipes.mindformers_yaml).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from mff.recipes.common import (
     restore_rng,
     rng_state,
 )
+from mff.recipes.mindformers_yaml import FLAG as MF_YAML_FLAG
+from mff.recipes.mindformers_yaml import expand_argv as expand_mindformers_argv
 from mff.train.metrics import available_memory_gib, device_peak_flops, memory_estimate_gib, mfu
 from mff.train.precision import PRECISIONS, param_dtype
 from mff.train.step import NonFiniteError, check_finite, eval_loss, train_step
@@ -411,6 +416,8 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
+        if any(a == MF_YAML_FLAG or a.startswith(MF_YAML_FLAG + "=") for a in argv):
+            argv = expand_mindformers_argv(argv)
         base, init_params, tokenizer = _prepare_init(argv)
         family, size, cfg = parse_model_args(PretrainConfig, argv, prog="python -m mff.recipes.pretrain", description=__doc__, base=base)
         if tokenizer is not None and cfg.data.tokenizer is None:
