@@ -10,9 +10,6 @@ import json
 import math
 import os
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import msgpack
@@ -27,7 +24,8 @@ import mff
 from mff import ckpt
 from mff.ckpt.checkpoint import open_tensors
 from mff.ckpt.shards import ShardedTensors, decode_placements, encode_placements, shard_region, writes_piece
-from tests.cli_util import ROOT, cli_env, make_corpus, run_cli, tiny_args
+from tests.cli_util import make_corpus, run_cli, tiny_args
+from tests.dist_util import torchrun
 
 R, S = Replicate(), Shard
 
@@ -193,19 +191,6 @@ def test_dtensors_saved_on_one_mesh_load_onto_another(tmp_path):
 
 
 # --- pretrain: save on 2 processes, resume on 1 and on 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc: int, args: list[str], cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=N -m mff.recipes.pretrain ARGS`` (gloo on the CPU)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           "-m", "mff.recipes.pretrain", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=cli_env(cache), cwd=ROOT, timeout=timeout)
 
 
 def _records(path: Path) -> list[dict]:
