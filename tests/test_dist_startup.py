@@ -7,7 +7,10 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from mff.parallel.summary import compact_placement, placement_table
 from tests.cli_util import make_corpus, tiny_args
 from tests.dist_util import torchrun
 
@@ -33,3 +36,24 @@ def test_bad_layout_fails_at_start_up_on_every_rank(tmp_path, extra, cause):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert lines == [f"error: rank {rank}: {cause}"], err
     assert "step " not in r.stdout and "data:" not in r.stdout  # failed before training and before the data
+
+
+def test_placement_table_groups_params_and_folds_layer_indices(dist1):
+    axes = ("dp_replicate", "dp_shard", "ep", "tp")
+    assert compact_placement((Replicate(), Shard(1), Shard(1), Shard(0)), axes) == "dp_shard+ep:S(1) tp:S(0)"
+    assert compact_placement((Shard(2), Replicate(), Shard(0), Replicate()), axes) == "dp_replicate:S(2) ep:S(0)"
+    assert compact_placement((Replicate(),) * 4, axes) == "replicated"
+
+    def dt(*placements):
+        return DTensor.from_local(torch.zeros(4, 4), dist1, placements, run_check=False)
+
+    R, S = Replicate(), Shard
+    params = {f"model.layers.{i}.self_attn.q_proj.weight": dt(R, S(1), S(1), S(0)) for i in range(4)}
+    params |= {"model.layers.0.mlp.experts.down_proj": dt(R, S(1), S(0), R), "model.norm.weight": dt(R, R, R, R),
+               "step": torch.zeros(())}
+    assert placement_table(params) == [
+        "dp_shard+ep:S(1) tp:S(0)  model.layers.*.self_attn.q_proj.weight (x4)",
+        "dp_shard:S(1) ep:S(0)     model.layers.*.mlp.experts.down_proj",
+        "local                     step",
+        "replicated                model.norm.weight",
+    ]

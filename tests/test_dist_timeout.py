@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from mff.parallel.watchdog import CollectiveTimeout, collective, set_timeout, timeout_s
 from tests.cli_util import ROOT, make_corpus, tiny_args
 from tests.dist_util import torchrun
 
@@ -27,3 +28,23 @@ def test_stalled_rank_makes_the_other_fail_with_the_operation_named(tmp_path):
     waited = ended - float(stalled.group(1))
     assert 30 <= waited < 60, waited
     assert "Timed out waiting" not in r.stderr  # gloo's own message is replaced by mff's
+
+
+def test_collective_turns_backend_timeouts_into_named_errors():
+    before = timeout_s()
+    set_timeout(30)
+    try:
+        with pytest.raises(CollectiveTimeout, match=r"^(rank \d+: )?all_reduce \(grad norm\) in step 7 timed out after 30 s waiting"):
+            with collective("step 7"), collective("all_reduce (grad norm)"):
+                raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for recv operation to complete")
+        with pytest.raises(CollectiveTimeout, match=r"forward/backward in step 3 failed: another rank closed its connection"):
+            with collective("step 3"), collective("forward/backward"):
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242")
+        with pytest.raises(RuntimeError, match="^shape mismatch$"):  # other errors pass through untouched
+            with collective("step 1"):
+                raise RuntimeError("shape mismatch")
+        with pytest.raises(ValueError):
+            with collective("step 1"):
+                raise ValueError("Timed out")
+    finally:
+        set_timeout(before if before is not None else 1800)

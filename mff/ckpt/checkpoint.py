@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mff.ckpt.safetensors_io import write_safetensors
-from mff.ckpt.shards import ShardedTensors, piece_file, shard_region, tensor_entry, writes_piece
+from mff.ckpt.shards import ShardedTensors, encode_placements, piece_file, shard_region, tensor_entry, writes_piece
 from mff.tree import flatten_with_paths, unflatten_paths
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "step_dir_name", "list_steps", "latest_step_dir", "lock_dir", "save", "load", "read_meta"]
@@ -236,8 +236,8 @@ def _pieces_of_rank(items: list[tuple[str, torch.Tensor]], rank: int) -> dict[st
 
 def _layout(groups: dict[str, list[tuple[str, torch.Tensor]]], world: int) -> dict:
     """The piece index of ``meta["layout"]`` (see :mod:`mff.ckpt.shards`)."""
-    meshes: list = []
-    keys: list = []
+    meshes: list[dict] = []
+    index_of: dict[int, int] = {}  # id(mesh) -> index into meshes
     tensors: dict[str, dict] = {}
     for kind, items in groups.items():
         tensors[kind] = {}
@@ -245,11 +245,12 @@ def _layout(groups: dict[str, list[tuple[str, torch.Tensor]]], world: int) -> di
             index = None
             if isinstance(t, DTensor):
                 mesh = t.device_mesh
-                key = (tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
-                if key not in keys:
-                    keys.append(key)
-                    meshes.append({"axes": list(key[0]), "shape": list(key[1]), "ranks": list(key[2])})
-                index = keys.index(key)
+                if id(mesh) not in index_of:
+                    desc = {"axes": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape), "ranks": mesh.mesh.flatten().tolist()}
+                    index_of[id(mesh)] = meshes.index(desc) if desc in meshes else len(meshes)
+                    if index_of[id(mesh)] == len(meshes):
+                        meshes.append(desc)
+                index = index_of[id(mesh)]
             tensors[kind][name] = tensor_entry(kind, t, index, world)
     return {"world_size": world, "meshes": meshes, "tensors": tensors}
 
@@ -318,7 +319,8 @@ def save(
     moved.
 
     Raises:
-        CheckpointError: the step dir already exists (a checkpoint is never overwritten), or a
+        CheckpointError: a DTensor placed other than by Shard/Replicate (every rank, before
+            writing), the step dir already exists (a checkpoint is never overwritten), or a
             rank could not write its files (on every rank, naming the failing one); the temp
             dir is then removed and ``latest`` is unchanged.
     """
@@ -329,6 +331,13 @@ def save(
     rank, world = _rank_world()
     groups = {"model": list(params.items()),
               "optim": [(k, v) for k, v in flatten_with_paths(dict(optim_state)) if isinstance(v, torch.Tensor)]}
+    for items in groups.values():
+        for name, t in items:
+            if isinstance(t, DTensor):
+                try:
+                    encode_placements(t.placements)
+                except ValueError as e:
+                    raise CheckpointError(f"cannot save {name!r}: {e}") from None
     tmp, err = None, None
     if rank == 0:
         try:
@@ -472,7 +481,7 @@ def _read_like(src: ShardedTensors, name: str, like: torch.Tensor) -> torch.Tens
             local = src.read_region(name, offset, length)
         else:
             local = src.read(name)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         raise CheckpointError(str(e)) from None
     if local.dtype != like.dtype:
         raise CheckpointError(f"{src.where}: {name!r} has dtype {local.dtype}, the model expects {like.dtype}")

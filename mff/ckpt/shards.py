@@ -86,7 +86,7 @@ def decode_placements(codes: Sequence[str]) -> list[Placement]:
 
 
 def _is_split(p: Placement, size: int) -> bool:
-    return isinstance(p, Shard) and size > 1
+    return type(p) is Shard and size > 1
 
 
 def shard_region(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
@@ -108,6 +108,8 @@ def shard_region(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequenc
     for axis, (size, c, p) in enumerate(zip(mesh_shape, coord, placements)):
         if not 0 <= c < size:
             raise ValueError(f"coordinate {tuple(coord)} is outside the mesh {tuple(mesh_shape)}")
+        if isinstance(p, Shard) and type(p) is not Shard:
+            raise ValueError(f"placement {p} on mesh axis {axis} is not supported (only Replicate and Shard)")
         if not _is_split(p, size):
             continue
         d = p.dim
@@ -193,7 +195,8 @@ class ShardedTensors:
             self.where = str(self.step_dir / f"{kind}.safetensors")
             self.entries = self._single_file_index(f"{kind}.safetensors")
         else:
-            self.where = f"{self.step_dir} ({kind} shard files)"
+            one = isinstance(layout, Mapping) and layout.get("world_size") == 1
+            self.where = str(self.step_dir / f"{kind}.safetensors") if one else f"{self.step_dir} ({kind} shard files)"
             try:
                 self.entries = dict(layout["tensors"][kind])
             except (KeyError, TypeError):
