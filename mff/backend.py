@@ -28,6 +28,8 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from mff.parallel.watchdog import set_timeout
+
 __all__ = [
     "DEVICES",
     "DeviceUnavailable",
@@ -178,6 +180,7 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> DistInfo:
     backend = comm_backend(device_type)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        set_timeout(timeout_s)
     select_ops(device_type)
     return DistInfo(
         rank=dist.get_rank(),

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from mff.ckpt.checkpoint import CheckpointError, latest_step_dir, read_meta
+from mff.ckpt.checkpoint import CheckpointError, latest_step_dir, open_tensors, read_meta
 from mff.ckpt.hf import config_from_hf_dict, load_hf, load_hf_tensors
 from mff.ckpt.mindformers_source import mindformers_kind
-from mff.ckpt.safetensors_io import SafetensorsFolder
 from mff.model import Model
 from mff.models import get_family
 from mff.models.common import config_from_dict
@@ -75,7 +74,7 @@ def load_mff(path: str | os.PathLike, device: torch.device | str = "cpu", dtype:
     meta = read_meta(step, required=("family", "config"))
     family = get_family(meta["family"])
     cfg = config_from_dict(family.config_cls, meta["config"])
-    return load_hf_tensors(SafetensorsFolder(step), family, cfg, None, device, dtype, where=str(step))
+    return load_hf_tensors(open_tensors(step, meta, "model"), family, cfg, None, device, dtype, where=str(step))
 
 
 def load(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32) -> tuple[Model, dict[str, torch.Tensor]]:

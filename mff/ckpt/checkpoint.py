@@ -1,16 +1,20 @@
 """Checkpoints in mff's one layout (DESIGN.md)::
 
-    CKPT_DIR/step_00000100/model.safetensors   params, keys = param paths
+    CKPT_DIR/step_00000100/model.safetensors   params, keys = param paths (one process)
     CKPT_DIR/step_00000100/optim.safetensors   optimizer state, keys = "<slot>/<param path>" (+ "step")
+    CKPT_DIR/step_00000100/model-rank00003-of-00004.safetensors   (several processes: each rank's
+    CKPT_DIR/step_00000100/optim-rank00003-of-00004.safetensors    own blocks, same keys)
     CKPT_DIR/step_00000100/meta.msgpack        format/version, step, tokens seen, data position,
-                                               RNG states, family + config, mesh, placements
+                                               RNG states, family + config, mesh, placements, and
+                                               the piece index ``layout`` (mff.ckpt.shards)
     CKPT_DIR/latest                            name of the newest complete step dir, written last
 
 A step dir is written under a temporary name and renamed into place, then ``latest`` is
 replaced atomically; a crash at any point leaves the previous checkpoint intact and ``latest``
 pointing to a complete one. Older step dirs beyond ``keep_last`` are removed only after the new
-one is complete. DTensor params are gathered to full tensors (every rank joins the gather;
-rank 0 writes), so a checkpoint loads onto any mesh.
+one is complete. Under several processes every rank writes its own shard files into rank 0's
+temp dir (one replica of each block), so no tensor is ever gathered; the index in the metadata
+lets any mesh (or one process) read back exactly the blocks it needs.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from typing import Any
 import msgpack
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mff.ckpt.safetensors_io import write_safetensors
+from mff.ckpt.shards import ShardedTensors, encode_placements, piece_file, shard_region, tensor_entry, writes_piece
 from mff.tree import flatten_with_paths, unflatten_paths
 
 __all__ = ["FORMAT", "VERSION", "CheckpointError", "step_dir_name", "list_steps", "latest_step_dir", "lock_dir", "save", "load", "read_meta"]
@@ -186,6 +191,112 @@ def remove_stale_tmp(root: Path, pattern: str = ".tmp-step_*-*") -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree(err: BaseException | None, what: str) -> None:
+    """Every rank learns whether any rank failed at ``what``; all then raise CheckpointError
+    with the first failing rank's message (so no rank waits for one that gave up)."""
+    rank, world = _rank_world()
+    mine = None if err is None else (str(err) or type(err).__name__)
+    everyone: list[str | None] = [mine]
+    if world > 1:
+        from mff.parallel.watchdog import collective
+
+        everyone = [None] * world
+        with collective(f"all_gather_object (checkpoint: {what})"):
+            dist.all_gather_object(everyone, mine)
+    for k, msg in enumerate(everyone):
+        if msg is not None:
+            raise CheckpointError(msg if k == rank or world == 1 else f"{what} failed on rank {k}: {msg}")
+
+
+def _local_block(t: torch.Tensor) -> torch.Tensor:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.detach().to("cpu").contiguous()
+
+
+def _pieces_of_rank(items: list[tuple[str, torch.Tensor]], rank: int) -> dict[str, torch.Tensor]:
+    """The blocks this rank writes: its local shard of each DTensor it is the lowest replica of,
+    and (rank 0) the plain tensors."""
+    out = {}
+    for name, t in items:
+        if isinstance(t, DTensor):
+            mesh = t.device_mesh
+            coord = mesh.get_coordinate()
+            if coord is not None and writes_piece(mesh.shape, coord, t.placements):
+                out[name] = _local_block(t)
+        elif rank == 0:
+            out[name] = _local_block(t)
+    return out
+
+
+def _layout(groups: dict[str, list[tuple[str, torch.Tensor]]], world: int) -> dict:
+    """The piece index of ``meta["layout"]`` (see :mod:`mff.ckpt.shards`)."""
+    meshes: list[dict] = []
+    index_of: dict[int, int] = {}  # id(mesh) -> index into meshes
+    tensors: dict[str, dict] = {}
+    for kind, items in groups.items():
+        tensors[kind] = {}
+        for name, t in items:
+            index = None
+            if isinstance(t, DTensor):
+                mesh = t.device_mesh
+                if id(mesh) not in index_of:
+                    desc = {"axes": list(mesh.mesh_dim_names or ()), "shape": list(mesh.shape), "ranks": mesh.mesh.flatten().tolist()}
+                    index_of[id(mesh)] = meshes.index(desc) if desc in meshes else len(meshes)
+                    if index_of[id(mesh)] == len(meshes):
+                        meshes.append(desc)
+                index = index_of[id(mesh)]
+            tensors[kind][name] = tensor_entry(kind, t, index, world)
+    return {"world_size": world, "meshes": meshes, "tensors": tensors}
+
+
+def _prepare_tmp(root: Path, final: Path) -> Path:
+    """Rank 0: a fresh temp step dir next to ``final`` (refusing to overwrite a committed one)."""
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(root)
+    if final.exists():
+        if _latest_name(root) == final.name or not final.is_dir():
+            raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
+        # renamed into place but never made `latest` (a crash between the two): not a
+        # committed checkpoint, so it is replaced
+        shutil.rmtree(final)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _write_pieces(tmp: Path, kind: str, pieces: dict[str, torch.Tensor], rank: int, world: int) -> None:
+    if not pieces:
+        return
+    path = tmp / piece_file(kind, rank, world)
+    save_file(pieces, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())  # safetensors creates its files 0600; make all files alike
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _commit(root: Path, tmp: Path, final: Path, full_meta: dict, step: int, keep_last: int) -> None:
+    """Rank 0, after every rank wrote its pieces: meta, fsync, rename, ``latest``, pruning."""
+    _write_atomic(tmp / "meta.msgpack", msgpack.packb(full_meta, use_bin_type=True))
+    os.chmod(tmp / "meta.msgpack", 0o666 & ~_umask())
+    _fsync_dir(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / "latest", (final.name + "\n").encode())
+    _fsync_dir(root)
+    if keep_last > 0:
+        for old in list_steps(root)[:-keep_last]:
+            if old != step:
+                shutil.rmtree(root / step_dir_name(old), ignore_errors=True)
+
+
 def save(
     ckpt_dir: str | os.PathLike,
     step: int,
@@ -196,50 +307,71 @@ def save(
 ) -> Path:
     """Write step ``step`` and make it ``latest``; returns its dir.
 
-    Every rank must call this (DTensors are gathered with collectives); rank 0 writes.
-    ``meta`` must be msgpack-serialisable; ``format``, ``version`` and ``step`` are added.
-    ``keep_last`` > 0 removes the oldest step dirs beyond that many, after ``latest`` moved.
+    Every rank must call this. Each rank writes the blocks of DTensors it holds (one replica
+    of each block: see :mod:`mff.ckpt.shards`) to its own ``model-rankR-of-W.safetensors`` and
+    ``optim-rankR-of-W.safetensors`` (``model.safetensors`` / ``optim.safetensors`` on one
+    process) in a temp dir that rank 0 creates; rank 0 writes ``meta.msgpack`` with the piece
+    index (``layout``), then renames the dir into place and moves ``latest``. No collective
+    gathers a tensor: each rank's memory holds only its own shards.
+
+    ``meta`` must be msgpack-serialisable; ``format``, ``version``, ``step`` and ``layout`` are
+    added. ``keep_last`` > 0 removes the oldest step dirs beyond that many, after ``latest``
+    moved.
 
     Raises:
-        CheckpointError: the step dir already exists (a checkpoint is never overwritten).
+        CheckpointError: a DTensor placed other than by Shard/Replicate (every rank, before
+            writing), the step dir already exists (a checkpoint is never overwritten), or a
+            rank could not write its files (on every rank, naming the failing one); the temp
+            dir is then removed and ``latest`` is unchanged.
     """
+    from mff.parallel.watchdog import collective
+
     root = Path(ckpt_dir)
     final = root / step_dir_name(step)
-    model_t = {k: _full_cpu(v) for k, v in params.items()}
-    optim_t = {k: _full_cpu(v) for k, v in flatten_with_paths(dict(optim_state)) if isinstance(v, torch.Tensor)}
-    if _is_rank0():
-        root.mkdir(parents=True, exist_ok=True)
-        remove_stale_tmp(root)
-        if final.exists():
-            if _latest_name(root) == final.name or not final.is_dir():
-                raise CheckpointError(f"{final} already exists; refusing to overwrite a checkpoint")
-            # renamed into place but never made `latest` (a crash between the two): not a
-            # committed checkpoint, so it is replaced
-            shutil.rmtree(final)
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        save_file(model_t, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        save_file(optim_t, str(tmp / "optim.safetensors"), metadata={"format": "pt"})
-        full_meta = {"format": FORMAT, "version": VERSION, **dict(meta), "step": step}
-        _write_atomic(tmp / "meta.msgpack", msgpack.packb(full_meta, use_bin_type=True))
-        mode = 0o666 & ~_umask()
-        for f in tmp.iterdir():
-            os.chmod(f, mode)  # safetensors creates its files 0600; make all files alike
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(root / "latest", (final.name + "\n").encode())
-        _fsync_dir(root)
-        if keep_last > 0:
-            for old in list_steps(root)[:-keep_last]:
-                if old != step:
-                    shutil.rmtree(root / step_dir_name(old), ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
+    rank, world = _rank_world()
+    groups = {"model": list(params.items()),
+              "optim": [(k, v) for k, v in flatten_with_paths(dict(optim_state)) if isinstance(v, torch.Tensor)]}
+    for items in groups.values():
+        for name, t in items:
+            if isinstance(t, DTensor):
+                try:
+                    encode_placements(t.placements)
+                except ValueError as e:
+                    raise CheckpointError(f"cannot save {name!r}: {e}") from None
+    tmp, err = None, None
+    if rank == 0:
+        try:
+            tmp = _prepare_tmp(root, final)
+        except (CheckpointError, OSError) as e:
+            err = e
+    _agree(err, f"creating the temp folder of step {step}")
+    if world > 1:
+        box = [str(tmp) if tmp is not None else None]
+        with collective(f"broadcast_object_list (checkpoint temp folder of step {step})"):
+            dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+    assert tmp is not None
+    err = None
+    try:
+        for kind, items in groups.items():
+            _write_pieces(tmp, kind, _pieces_of_rank(items, rank), rank, world)
+    except OSError as e:
+        err = CheckpointError(f"cannot write shard files to {tmp}: {e.strerror or e}")
+    try:
+        _agree(err, f"writing the shard files of step {step}")
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    err = None
+    if rank == 0:
+        full_meta = {"format": FORMAT, "version": VERSION, **dict(meta), "step": step, "layout": _layout(groups, world)}
+        try:
+            _commit(root, tmp, final, full_meta, step, keep_last)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = CheckpointError(f"cannot complete checkpoint {final}: {e.strerror or e}")
+    _agree(err, f"committing step {step}")
     return final
 
 
@@ -312,13 +444,56 @@ def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> di
     return meta
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def open_tensors(step_dir: str | os.PathLike, meta: Mapping[str, Any], kind: str) -> ShardedTensors:
+    """The ``kind`` ("model" or "optim") tensors of a step dir, sharded or single-file, as a
+    :class:`mff.ckpt.shards.ShardedTensors` (nothing is read until asked for).
+
+    Raises:
+        CheckpointError: a missing or corrupt file, or a malformed piece index.
+    """
     try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except Exception as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupt or truncated: {e}") from None
+        return ShardedTensors(step_dir, meta, kind)
+    except (FileNotFoundError, ValueError) as e:  # ShardIndexError is a ValueError
+        raise CheckpointError(str(e)) from None
+
+
+def _read_like(src: ShardedTensors, name: str, like: torch.Tensor) -> torch.Tensor:
+    """Tensor ``name`` of ``src`` with the shape, dtype, device, DTensor placements and
+    requires_grad of ``like``: a DTensor template gets only this rank's block, read from the
+    overlapping slices of the pieces."""
+    if name not in src.entries:
+        raise CheckpointError(f"{src.where} has no tensor {name!r}")
+    if src.shape(name) != tuple(like.shape):
+        raise CheckpointError(f"{src.where}: {name!r} has shape {src.shape(name)}, the model expects {tuple(like.shape)}")
+    stored = src.dtype(name)
+    if stored is not None and stored != like.dtype:
+        raise CheckpointError(f"{src.where}: {name!r} has dtype {stored}, the model expects {like.dtype}")
+    try:
+        if isinstance(like, DTensor):
+            mesh = like.device_mesh
+            bad = [p for p in like.placements if type(p) not in (Shard, Replicate)]
+            if bad:
+                raise CheckpointError(f"cannot load {name!r} onto placements {like.placements}: only Shard and Replicate are supported")
+            offset, length = shard_region(like.shape, mesh.shape, mesh.get_coordinate(), like.placements)
+            if tuple(length) != tuple(like.to_local().shape):
+                raise CheckpointError(f"cannot load {name!r}: its block on this rank has shape {tuple(like.to_local().shape)}, "
+                                      f"the sharding arithmetic gives {tuple(length)}")
+            local = src.read_region(name, offset, length)
+        else:
+            local = src.read(name)
+    except (ValueError, FileNotFoundError) as e:
+        raise CheckpointError(str(e)) from None
+    if local.dtype != like.dtype:
+        raise CheckpointError(f"{src.where}: {name!r} has dtype {local.dtype}, the model expects {like.dtype}")
+    # read_region allocates afresh: safetensors may hand back tensors at offsets inside one
+    # buffer, and BLAS kernels can round differently on differently aligned inputs, which would
+    # break bitwise-exact resume.
+    if isinstance(like, DTensor):
+        local = local.to(like.to_local().device)
+        out = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    else:
+        out = local.to(like.device)
+    return out.requires_grad_(like.requires_grad)
 
 
 def place_like(name: str, loaded: torch.Tensor | None, like: torch.Tensor, where: str | Path) -> torch.Tensor:
@@ -347,10 +522,13 @@ def load(
     params_like: Mapping[str, torch.Tensor],
     optim_like: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict | None, dict]:
-    """Read a step dir onto the placements of ``params_like`` (and ``optim_like``).
+    """Read a step dir onto the placements of ``params_like`` (and ``optim_like``), on any mesh.
 
     Returns ``(params, optim_state or None, meta)``; tensors take the shape, dtype, device and
-    DTensor placements of the templates.
+    DTensor placements of the templates. Each rank reads only the slices of the piece files
+    that overlap its own blocks (no rank holds a whole sharded tensor), so a checkpoint saved
+    on one mesh loads onto another. Single-file checkpoints (one process, or written before
+    sharded saving) load the same way. No collectives.
 
     Raises:
         CheckpointError: unreadable or truncated files, missing or extra tensors, or shape
@@ -358,19 +536,19 @@ def load(
     """
     step_dir = Path(step_dir)
     meta = read_meta(step_dir)
-    model_file = step_dir / "model.safetensors"
-    loaded = _read_tensors(model_file)
-    extra = sorted(set(loaded) - set(params_like))
+    src = open_tensors(step_dir, meta, "model")
+    extra = sorted(set(src.names) - set(params_like))
     if extra:
-        raise CheckpointError(f"{model_file} has tensors the model does not: {extra[:5]}")
-    params = {k: place_like(k, loaded.get(k), v, model_file) for k, v in params_like.items()}
+        raise CheckpointError(f"{src.where} has tensors the model does not: {extra[:5]}")
+    params = {k: _read_like(src, k, v) for k, v in params_like.items()}
+    src.close()
     state = None
     if optim_like is not None:
-        optim_file = step_dir / "optim.safetensors"
-        loaded = _read_tensors(optim_file)
+        src = open_tensors(step_dir, meta, "optim")
         items = flatten_with_paths(dict(optim_like))
-        extra = sorted(set(loaded) - {k for k, _ in items})
+        extra = sorted(set(src.names) - {k for k, _ in items})
         if extra:
-            raise CheckpointError(f"{optim_file} has entries the optimizer does not: {extra[:5]}")
-        state = unflatten_paths((k, place_like(k, loaded.get(k), v, optim_file)) for k, v in items)
+            raise CheckpointError(f"{src.where} has entries the optimizer does not: {extra[:5]}")
+        state = unflatten_paths((k, _read_like(src, k, v)) for k, v in items)
+        src.close()
     return params, state, meta

@@ -29,7 +29,7 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from mff.ckpt import fp8
 from mff.ckpt.safetensors_io import SafetensorsFolder, write_sharded
 from mff.model import Family, Model
 from mff.models import family_for_model_type
+
+if TYPE_CHECKING:
+    from mff.ckpt.shards import ShardedTensors
 
 __all__ = ["read_hf_config", "config_from_hf_dict", "load_hf_tensors", "load_hf", "save_hf", "hf_tensor_names", "HFCheckpointError"]
 
@@ -156,7 +159,7 @@ class _DictSource:
 
 
 def load_hf_tensors(
-    source: SafetensorsFolder | Mapping[str, torch.Tensor],
+    source: SafetensorsFolder | ShardedTensors | Mapping[str, torch.Tensor],
     family: Family,
     config: Any,
     hf_config: Mapping[str, Any] | None = None,
@@ -174,7 +177,7 @@ def load_hf_tensors(
             tensors the model does not have (listed), only some of the MTP layers, FP8 weights
             without a quantization_config.
     """
-    src = source if isinstance(source, SafetensorsFolder) else _DictSource(source)
+    src = source if hasattr(source, "shards") else _DictSource(source)  # a folder-like source, or a plain Mapping
     available = set(src.names)
     hf_config = hf_config or {}
     model = Model(family, config)

@@ -35,10 +35,13 @@ def print0(*args: Any) -> None:
 
 
 def fail(err: BaseException, code: int) -> int:
-    """Print ``error: <message>`` (one line, no traceback) to stderr and return ``code``."""
+    """Print ``error: <message>`` (one line, no traceback) to stderr and return ``code``; under
+    several processes the message starts with ``rank N:`` (every rank prints its own)."""
     msg = str(err).strip() or type(err).__name__
     if isinstance(err, FileNotFoundError) and err.filename and str(err.filename) not in msg:
         msg = f"{msg}: {err.filename}"
+    if dist.is_initialized() and dist.get_world_size() > 1 and not msg.startswith(f"rank {dist.get_rank()}:"):
+        msg = f"rank {dist.get_rank()}: {msg}"
     print(f"error: {msg}", file=sys.stderr, flush=True)
     return code
 

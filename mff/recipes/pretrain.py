@@ -45,6 +45,8 @@ from mff.nn.moe import MoE
 from mff.optim import OptimConfig, init_state, lr_at
 from mff.optim.schedule import decay_steps_of
 from mff.parallel import ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size, placements_of
+from mff.parallel.summary import placement_table
+from mff.parallel.watchdog import CollectiveTimeout, collective
 from mff.recipes.common import (
     RunLog,
     check_resume_config,
@@ -338,10 +340,12 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     _check(cfg, model, dp_size)
     _lock = ckpt.lock_dir(cfg.ckpt_dir) if dist_info.rank == 0 else None  # held until run() returns
     mem = _memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size() * mesh["ep"].size() * mesh["tp"].size(), dp_size)
+    # params (a dim that does not divide its mesh axes fails here, before the data is read)
+    with collective("distributing the initial params"):
+        params = model.init(cfg.seed, dist_info.device, param_dtype(cfg.precision), mesh)
     # data
     loader, val_batches, val_entropy, data_line = _data(cfg, model, dp_rank, dp_size, dist_info.rank)
-    # params and optimizer, then resume
-    params = model.init(cfg.seed, dist_info.device, param_dtype(cfg.precision), mesh)
+    # optimizer, then resume
     opt_state = init_state(cfg.optim, params)
     if init_params is not None and ckpt.latest_step_dir(cfg.ckpt_dir) is None:
         params = _apply_init(params, init_params, cfg.init_from)
@@ -359,8 +363,11 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     placements = placements_of(params)
     print0(f"model {family}/{size}: {counts['total']:,} params ({counts['activated']:,} activated per token; "
            f"without MTP {counts['total_no_mtp']:,} / {counts['activated_no_mtp']:,})")
-    print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}, "
-           f"placements: {sorted(set(placements.values()))}")
+    print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
+    if len(set(placements.values())) == 1:
+        print0(f"placements: {next(iter(placements.values()))} (all {len(placements)} params)")
+    else:
+        print0("placements:\n  " + "\n  ".join(placement_table(params)))
     print0("memory per device (estimate): " + ", ".join(f"{k} {v:.3f} GiB" for k, v in mem.items()))
     print0(f"{data_line}; peak {peak / 1e9:.1f} GFLOP/s ({peak_src}); {flops_per_token / 1e6:.1f} MFLOP/token")
 
@@ -373,8 +380,9 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
 
     def save(step: int) -> None:
         meta = {**meta_base, "tokens_seen": tokens_seen, "data": loader.state_dict(), "rng": rng_state()}
-        check_finite(params, opt_state)
-        path = ckpt.save(cfg.ckpt_dir, step, params, opt_state, meta, cfg.keep_last)
+        with collective(f"checkpoint of step {step}"):
+            check_finite(params, opt_state)
+            path = ckpt.save(cfg.ckpt_dir, step, params, opt_state, meta, cfg.keep_last)
         log.write(f"checkpoint {path}")
 
     if start >= end:
@@ -387,8 +395,9 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg.optim, cfg.steps)
             batch = {k: v.to(dist_info.device) for k, v in loader.next_batch().items()}
-            stats = train_step(model, params, opt_state, split_microbatches(batch, cfg.grad_accum), lr, cfg.optim,
-                               getattr(model.config, "moe_router_bias_update_rate", 0.0), cfg.precision)
+            with collective(f"step {step}"):
+                stats = train_step(model, params, opt_state, split_microbatches(batch, cfg.grad_accum), lr, cfg.optim,
+                                   getattr(model.config, "moe_router_bias_update_rate", 0.0), cfg.precision)
             tokens_seen += stats.tokens
             dt = time.perf_counter() - t0
             tps = stats.tokens / dt
@@ -396,8 +405,9 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
                    "mtp_loss": stats.losses.get("mtp", 0.0), "lr": lr, "grad_norm": stats.grad_norm, "tokens_per_s": tps,
                    "mfu": mfu(flops_per_token, tps, peak, dist_info.world_size)}
             if val_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
-                rec["val_loss"] = eval_loss(model, params, [{k: v.to(dist_info.device) for k, v in b.items()} for b in val_batches],
-                                            cfg.precision)
+                with collective(f"validation at step {step}"):
+                    rec["val_loss"] = eval_loss(model, params, [{k: v.to(dist_info.device) for k, v in b.items()} for b in val_batches],
+                                                cfg.precision)
             log.step(rec, val_entropy)
             if step == end or (cfg.save_every and step % cfg.save_every == 0) or stop["signal"]:
                 save(step)
@@ -427,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         return fail(e, 2)
     except (ckpt.CheckpointError, NonFiniteError, OSError) as e:
         return fail(e, 1)
+    except CollectiveTimeout as e:
+        # the other ranks are gone or stuck: tearing the process group down (or letting the
+        # interpreter do it) can block on them, so leave at once after the message is out
+        fail(e, 1)
+        sys.stdout.flush()
+        os._exit(1)
     finally:
         # tear the process group down before the interpreter exits: leaving gloo's threads to
         # static destruction can abort a rank ("terminate called without an active exception")

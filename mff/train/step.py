@@ -28,6 +28,7 @@ from mff.optim.clip import clip_grads_
 from mff.optim.config import OptimConfig
 from mff.optim.optimizer import apply_update
 from mff.parallel.mesh import data_parallel_group
+from mff.parallel.watchdog import collective
 from mff.train.precision import compute_params
 from mff.tree import flatten_with_paths
 
@@ -65,14 +66,16 @@ def check_finite(*trees: Mapping) -> None:
                     break
         if bad:
             break
-    # every rank must agree, or the others would wait in the checkpoint's gathers
-    if _all_reduce_sum(torch.tensor(int(bad is not None))) > 0:
+    # every rank must agree, or the others would wait in the checkpoint's collectives
+    if _all_reduce_sum(torch.tensor(int(bad is not None)), "non-finite check before saving") > 0:
         raise NonFiniteError(f"{bad or 'a shard on another rank'} holds NaN or inf; not saving a checkpoint")
 
 
-def _all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+def _all_reduce_sum(t: torch.Tensor, what: str, group=None) -> torch.Tensor:
+    """``t`` summed over the ranks of ``group`` (default: all), in place; a timeout names ``all_reduce (what)``."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        with collective(f"all_reduce ({what})"):
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
@@ -93,7 +96,7 @@ def global_counts(model: Model, micro_batches: Sequence[Mapping[str, torch.Tenso
     if not total:
         return {}
     keys = sorted(total)
-    stacked = _all_reduce_sum(torch.stack([total[k] for k in keys]), group)
+    stacked = _all_reduce_sum(torch.stack([total[k] for k in keys]), "target token counts", group)
     return dict(zip(keys, stacked.unbind()))
 
 
@@ -145,9 +148,11 @@ def train_step(
     terms: dict[str, torch.Tensor] = {}
     loads: dict[str, torch.Tensor] = {}
     tokens = 0
-    for mb in micro_batches:
-        out = model.forward(compute_params(model, params, precision), mb, target_counts=counts, logits=False)
-        g = torch.autograd.grad(out.loss, leaves)
+    for i, mb in enumerate(micro_batches):
+        # the forward/backward's DTensor redistributions are collectives too
+        with collective(f"forward/backward of micro-batch {i + 1}/{len(micro_batches)}"):
+            out = model.forward(compute_params(model, params, precision), mb, target_counts=counts, logits=False)
+            g = torch.autograd.grad(out.loss, leaves)
         if grads is None:
             grads = list(g)
         else:
@@ -163,18 +168,20 @@ def train_step(
             assert isinstance(g, DTensor) and g.placements == p.placements, f"grad of {name}: {getattr(g, 'placements', None)} != {p.placements}"
 
     keys = sorted(terms)
-    reduced = _all_reduce_sum(torch.stack([terms[k] for k in keys]), group) if keys else torch.zeros(0)
+    reduced = _all_reduce_sum(torch.stack([terms[k] for k in keys]), "loss terms", group) if keys else torch.zeros(0)
     losses = {k: float(v) for k, v in zip(keys, reduced)}
     loss = sum(losses.values())
     grad_map = dict(zip(names, grads))
-    norm = clip_grads_(grad_map, optim.max_grad_norm)
+    with collective("grad norm and clipping"):
+        norm = clip_grads_(grad_map, optim.max_grad_norm)
     if not math.isfinite(loss) or not math.isfinite(norm):
         raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'grad norm'}: loss={loss}, grad_norm={norm} ({losses})")
-    apply_update(optim, params, grad_map, opt_state, lr)
+    with collective("optimizer update"):
+        apply_update(optim, params, grad_map, opt_state, lr)
     for k in sorted(loads):
-        loads[k] = _all_reduce_sum(loads[k], group)
+        loads[k] = _all_reduce_sum(loads[k], f"expert loads of {k}", group)
     update_expert_bias(params, loads, bias_update_rate)
-    tokens_t = _all_reduce_sum(torch.tensor(tokens), group)
+    tokens_t = _all_reduce_sum(torch.tensor(tokens), "token count", group)
     return StepStats(loss=loss, losses=losses, grad_norm=norm, tokens=int(tokens_t), expert_load=loads)
 
 
@@ -187,8 +194,9 @@ def eval_loss(model: Model, params: Mapping[str, torch.Tensor], batches: Sequenc
     compute = compute_params(model, params, precision)
     for b in batches:
         n = count_targets(b["labels"])
-        out = model.forward(compute, b, target_counts={k: n for k in model.count_targets(b)}, logits=False)
+        with collective("validation forward"):
+            out = model.forward(compute, b, target_counts={k: n for k in model.count_targets(b)}, logits=False)
         total[0] += float(out.losses["lm"]) * float(n)
         total[1] += float(n)
-    total = _all_reduce_sum(total, _dp_group(params))
+    total = _all_reduce_sum(total, "validation loss", _dp_group(params))
     return float(total[0] / total[1].clamp(min=1))
