@@ -201,8 +201,9 @@ def _dispatched_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Te
     :func:`_grouped_experts`. Every rank of ``group`` must call it (collectives).
     Returns ``(y [N, D], counts [E] int64: this rank's slots per expert)``."""
     P = dist.get_world_size(group)
-    if gate_up_local.shape[0] * P != num_experts:
-        raise ValueError(f"{gate_up_local.shape[0]} local experts x ep {P} != {num_experts} routed experts")
+    if gate_up_local.shape[0] * P != num_experts or down_local.shape[0] != gate_up_local.shape[0]:
+        raise ValueError(f"local experts gate_up {gate_up_local.shape[0]} / down {down_local.shape[0]} x ep {P} != {num_experts} "
+                         "routed experts: both stacked expert weights must be split by expert over ep")
     send = plan_send(idx_NK, num_experts, P)
     recv = plan_receive(exchange_counts(send.counts, group))
     x_recv = all_to_all(x_ND[send.token_of_slot], recv.recv_splits, send.send_splits, group)
