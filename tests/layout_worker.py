@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mff  # noqa: E402
+import mff.nn.moe as moe  # noqa: E402
 from mff.backend import init_distributed  # noqa: E402
 from mff.models import get_family  # noqa: E402
 from mff.optim import OptimConfig, init_state  # noqa: E402
@@ -89,7 +90,14 @@ def main() -> None:
     torch.set_num_threads(1)
     info = init_distributed("cpu", 120.0)
     mesh = build_mesh("cpu", ParallelConfig(dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, tp=a.tp, ep=a.ep), info.world_size)
-    result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape))}
+    result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "ep_dispatches": 0}
+    dispatched = moe._dispatched_experts
+
+    def counting(*args):  # the test checks that an ep layout really sends tokens to their experts' ranks
+        result["ep_dispatches"] += 1
+        return dispatched(*args)
+
+    moe._dispatched_experts = counting
     for family in a.families.split(","):
         result[family] = run(family, mesh, a.micro_rows)
     if info.rank == 0:

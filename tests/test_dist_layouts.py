@@ -70,6 +70,7 @@ def test_layout_matches_one_process(reference, tmp_path, nproc, flags, families)
     got = _launch(tmp_path / "got.pt", families, nproc, [*flags, "--micro-rows", str(rows)])
     for flag, size in sizes.items():
         assert got["mesh"][flag.removeprefix("--").replace("-", "_")] == size
+    assert (got["ep_dispatches"] > 0) == (sizes.get("--ep", 1) > 1)  # real expert parallelism: tokens sent by all-to-all
     for family in families:
         ref, run = reference(rows)[family], got[family]
         assert run["losses"] == pytest.approx(ref["losses"], abs=1e-5), family

@@ -23,11 +23,13 @@ Shape legend: B batch, T sequence, N = B*T tokens, D hidden, E experts, K top-k,
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from mff.backend import ops
 from mff.nn.mlp import GatedMLP
+from mff.parallel.ep import all_to_all, exchange_counts, expert_group, plan_receive, plan_send
 from mff.parallel.gather import gather
 
 __all__ = ["select_experts", "sequence_balance_loss", "switch_balance_loss", "Router", "SoftmaxRouter", "Experts", "MoE"]
@@ -148,6 +150,31 @@ class SoftmaxRouter(nn.Module):
 
 
 
+def _expert_mlp(x_SD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The gated expert MLP on rows grouped by expert (``counts[e]`` consecutive rows for
+    expert e): one grouped GEMM per projection (``ops.grouped_mm``). Returns [S, D].
+
+    With no rows (an ep rank whose experts were routed no token) the result is still made from
+    ``x_SD`` and the weights, so that the backward reaches the all-to-all on every rank alike
+    (``torch._grouped_mm``'s backward also rejects zero rows)."""
+    mm = ops.grouped_mm if x_SD.shape[0] else _no_rows_mm
+    h = mm(x_SD, gate_up_EFD.transpose(1, 2), counts)  # [S, 2I]
+    g, u = h.chunk(2, dim=-1)
+    return mm(F.silu(g) * u, down_EDI.transpose(1, 2), counts)
+
+
+def _no_rows_mm(x_0D: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """[0, F] from [0, D] rows, differentiable (zero gradients) to both inputs."""
+    return x_0D.matmul(w_EDF[0])
+
+
+def _combine(y_SD: torch.Tensor, w_NK: torch.Tensor, order: torch.Tensor, token_of_slot: torch.Tensor, x_ND: torch.Tensor) -> torch.Tensor:
+    """``y_n = sum_k w[n, k] y_slot(n, k)`` from the expert outputs of the sorted slots."""
+    y_SD = y_SD * w_NK.reshape(-1)[order, None]
+    out = torch.zeros(x_ND.shape, dtype=y_SD.dtype, device=x_ND.device).index_add_(0, token_of_slot, y_SD)
+    return out.to(x_ND.dtype)
+
+
 @torch.compiler.disable
 def _grouped_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_EFD: torch.Tensor,
                      down_EDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,28 +183,48 @@ def _grouped_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tenso
     Runs eagerly under ``torch.compile`` (a graph break): the group sizes are data (a host
     sync), and ``torch._grouped_mm`` has no fp32 fake-tensor rule on CPU in torch 2.13.
     Returns ``(y [N, D], counts [E] int64)``."""
-    N, D = x_ND.shape
     K = idx_NK.shape[1]
     flat = idx_NK.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of_slot = order // K
     counts_E = torch.bincount(flat, minlength=gate_up_EFD.shape[0])
-    counts = counts_E.tolist()  # host sync: group sizes for the grouped GEMM
-    x_SD = x_ND[token_of_slot]
-    h = ops.grouped_mm(x_SD, gate_up_EFD.transpose(1, 2), counts)  # [S, 2I]
-    g, u = h.chunk(2, dim=-1)
-    y_SD = ops.grouped_mm(F.silu(g) * u, down_EDI.transpose(1, 2), counts)
-    y_SD = y_SD * w_NK.reshape(-1)[order, None]
-    out = torch.zeros(N, D, dtype=y_SD.dtype, device=x_ND.device).index_add_(0, token_of_slot, y_SD)
-    return out.to(x_ND.dtype), counts_E
+    y_SD = _expert_mlp(x_ND[token_of_slot], gate_up_EFD, down_EDI, counts_E.tolist())  # tolist: host sync for the group sizes
+    return _combine(y_SD, w_NK, order, token_of_slot, x_ND), counts_E
+
+
+@torch.compiler.disable
+def _dispatched_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_local: torch.Tensor,
+                        down_local: torch.Tensor, num_experts: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism (:mod:`mff.parallel.ep`): this rank's token slots go by all-to-all
+    to the ep ranks holding their experts, ``gate_up_local`` [E/P, 2I, D] and ``down_local``
+    [E/P, D, I] run on the slots received, and the outputs come back and are combined as in
+    :func:`_grouped_experts`. Every rank of ``group`` must call it (collectives).
+    Returns ``(y [N, D], counts [E] int64: this rank's slots per expert)``."""
+    P = dist.get_world_size(group)
+    if gate_up_local.shape[0] * P != num_experts or down_local.shape[0] != gate_up_local.shape[0]:
+        raise ValueError(f"local experts gate_up {gate_up_local.shape[0]} / down {down_local.shape[0]} x ep {P} != {num_experts} "
+                         "routed experts: both stacked expert weights must be split by expert over ep")
+    send = plan_send(idx_NK, num_experts, P)
+    recv = plan_receive(exchange_counts(send.counts, group))
+    x_recv = all_to_all(x_ND[send.token_of_slot], recv.recv_splits, send.send_splits, group)
+    y_local = _expert_mlp(x_recv[recv.local_order], gate_up_local, down_local, recv.local_counts)
+    back = torch.empty_like(recv.local_order)
+    back[recv.local_order] = torch.arange(back.numel(), device=back.device)
+    y_SD = all_to_all(y_local[back], send.send_splits, recv.recv_splits, group)
+    return _combine(y_SD, w_NK, send.order, send.token_of_slot, x_ND), send.counts
 
 
 class Experts(nn.Module):
     """Stacked routed experts. ``forward(x [N, D], weights [N, K], indices [N, K]) -> (y [N, D], counts [E])``.
 
     ``y_n = sum_k weights[n, k] * down_e(silu(gate_e(x_n)) * up_e(x_n))`` with ``e = indices[n, k]``;
-    ``counts`` are the token slots per expert (int64). With at most E token slots (decoding) the
-    chosen experts' weights are gathered per slot instead (no host sync).
+    ``counts`` are this rank's token slots per expert (int64). With at most E token slots
+    (decoding) the chosen experts' weights are gathered per slot instead (no host sync).
+
+    Expert parallelism: when the stacked weights are DTensors split by expert over a mesh axis
+    ``ep`` of size P > 1, each rank keeps its E/P experts (``gather(w, keep=("ep",))``) and the
+    token slots travel to them by all-to-all (:func:`_dispatched_experts`); every ep rank must
+    then run the layer together.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -189,6 +236,10 @@ class Experts(nn.Module):
     def forward(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         N, D = x_ND.shape
         K = idx_NK.shape[1]
+        group = expert_group(self.gate_up_proj)
+        if group is not None:
+            w1, w2 = gather(self.gate_up_proj, keep=("ep",)), gather(self.down_proj, keep=("ep",))
+            return _dispatched_experts(x_ND, w_NK, idx_NK, w1, w2, self.num_experts, group)
         if N * K <= self.num_experts:
             return self._gathered(x_ND, w_NK, idx_NK)
         return _grouped_experts(x_ND, w_NK, idx_NK, gather(self.gate_up_proj), gather(self.down_proj))

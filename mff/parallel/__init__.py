@@ -1,4 +1,5 @@
-"""Parallelism on torch.distributed: the mesh, sharding tables -> DTensor placements, gather-on-use."""
+"""Parallelism on torch.distributed: the mesh, sharding tables -> DTensor placements, gather-on-use,
+and the expert-parallel token dispatch (:mod:`mff.parallel.ep`, used by :mod:`mff.nn.moe`)."""
 
 from mff.parallel.gather import gather
 from mff.parallel.mesh import (
