@@ -35,7 +35,9 @@ class Output:
     """What ``forward`` returns.
 
     - ``logits``: [B, T, V] in the compute dtype; None when ``forward(..., logits=False)`` was
-      asked for the losses only (training: the loss then never materialises the logits).
+      asked for the losses only (training: the loss then never materialises the logits). Under
+      tensor parallelism every tp rank gets the full V (all-gathered from the vocab-parallel
+      head: for evaluation and generation; the losses never gather them).
     - ``losses``: named terms, each already weighted (``lm``, ``balance``, ``mtp``), present
       when labels are given; their sum is the training loss.
     - ``expert_load``: MoE layer path -> int64 [E] token slots routed to each expert.

@@ -125,6 +125,7 @@ def _two_rank_checks(rank: int, port: int) -> None:
     from mff.nn.layers import Embedding, Linear
     from mff.nn.loss import vocab_parallel_linear_cross_entropy_sum
     from mff.nn.mlp import FusedGatedMLP
+    from mff.nn.rope import rope_cos_sin
     from mff.optim.clip import global_grad_norm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -138,6 +139,22 @@ def _two_rank_checks(rank: int, port: int) -> None:
     def close(a, b, what):
         a = a.full_tensor() if hasattr(a, "full_tensor") else a
         torch.testing.assert_close(a.to(b.dtype), b, rtol=1e-5, atol=1e-6, msg=what)
+
+    def check_module(module, dims, args, what, extra=None):
+        """Output and grads (params and the first input) of ``module`` with the params in ``dims``
+        split over tp on that dim (the rest replicated) equal those with whole params."""
+        gen = torch.Generator().manual_seed(1)
+        full = {k: torch.randn(p.shape, generator=gen, dtype=torch.float64) for k, p in module.named_parameters()}
+        runs = []
+        for params in ({k: split(v, dims.get(k)) for k, v in full.items()}, {k: v.clone().requires_grad_() for k, v in full.items()}):
+            inputs = [args[0].clone().requires_grad_(), *args[1:]]
+            out = functional_call(module, params, (*inputs, *(extra() if extra else ())))
+            leaves = [*params.values(), inputs[0]]
+            grads = torch.autograd.grad(out, leaves, torch.ones_like(out)) if torch.is_grad_enabled() else []
+            runs.append((out, grads))
+        close(runs[0][0], runs[1][0], what)
+        for i, (a, b) in enumerate(zip(runs[0][1], runs[1][1])):
+            close(a, b, f"{what} grad {i} of {list(full)}")
 
     g = torch.Generator().manual_seed(0)
     V, D, N = 7, 6, 11  # an odd vocabulary: rank 0 holds rows 0..3, rank 1 rows 4..6
@@ -200,6 +217,28 @@ def _two_rank_checks(rank: int, port: int) -> None:
     close(out, ref, "fused gate_up MLP")
     for k, a, b in zip(pd, torch.autograd.grad(out, list(pd.values()), go), torch.autograd.grad(ref, list(pr.values()), go)):
         close(a, b, f"fused MLP grad {k}")
+
+    # attention: GQA with biases and q/k norms; MLA expanded (with grads) and absorbed (cache)
+    from mff.nn.attention import cache_causal_mask
+    from mff.nn.gqa import GQA
+    from mff.nn.mla import MLA
+
+    B, T = 2, 5
+    pos = torch.arange(T).expand(B, T)
+    gqa = GQA(8, 4, 2, 4, qkv_bias=True, o_bias=True, qk_norm=True).double()
+    cos, sin = rope_cos_sin(pos, torch.tensor([1.0, 0.1]), 1.0, torch.float64)
+    x8 = torch.randn(B, T, 8, generator=g, dtype=torch.float64)
+    dims = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_proj.bias": 0, "k_proj.bias": 0, "v_proj.bias": 0,
+            "o_proj.weight": 1}
+    check_module(gqa, dims, (x8, cos, sin, None), "GQA")
+    mla = MLA(8, 4, 6, 5, 3, 2, 4, 0.3, False).double()
+    dims = {"q_b_proj.weight": 0, "kv_b_proj.weight": 0, "o_proj.weight": 1}
+    cos, sin = rope_cos_sin(pos, torch.tensor([1.0]), 1.0, torch.float64)
+    check_module(mla, dims, (x8, cos, sin, None), "MLA")
+    mask = cache_causal_mask(torch.ones(B, T, dtype=torch.bool), 0, T)
+    with torch.no_grad():
+        check_module(mla, dims, (x8, cos, sin, mask), "MLA absorbed", lambda: ({k: torch.zeros(v, dtype=torch.float64) for k, v in mla.cache_shapes(B, T).items()},
+                                                                               torch.arange(T)))
 
     # global grad norm: a split grad counts each element once, a replicated one once
     a, b = torch.randn(V, D, generator=g), torch.randn(4, generator=g)

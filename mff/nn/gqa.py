@@ -83,6 +83,9 @@ class GQA(nn.Module):
         q = apply_rope(q, cos, sin, layout=self.rope_layout)
         k = apply_rope(k, cos, sin, layout=self.rope_layout)
         if kv is not None:
+            if kv["k"].shape[2] != k.shape[2]:
+                raise NotImplementedError(f"a KV cache of {kv['k'].shape[2]} KV heads, but this rank computes {k.shape[2]}: "
+                                          "generation with a GQA KV cache under tensor parallelism is not supported")
             kv["k"].index_copy_(1, slots, k.to(kv["k"].dtype))
             kv["v"].index_copy_(1, slots, v.to(kv["v"].dtype))
             k, v = kv["k"], kv["v"]
