@@ -4,9 +4,9 @@ Each gathers its weights on use (:func:`mff.parallel.gather`), so the same layer
 DTensor params sharded on any mesh and on plain tensors. A weight split over the ``tp`` mesh
 axis makes the layer tensor-parallel (Megatron-LM, :mod:`mff.parallel.tp`): a ``Linear``
 whose weight rows (out features) are split is column-parallel, one whose columns (in
-features) are split is row-parallel; an ``Embedding`` whose rows are split is
-vocab-parallel. The weight's placement decides; model code does not change. The skeleton is built on the meta
-device and holds no storage and no buffers; real tensors come in through
+features) are split is row-parallel; an ``Embedding`` whose rows are split is vocab-parallel.
+The weight's placement decides; model code does not change. The skeleton is built on the
+meta device and holds no storage and no buffers; real tensors come in through
 ``torch.func.functional_call``.
 
 Shape legend: B batch, T sequence, D input features, F output features, V vocabulary.
