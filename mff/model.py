@@ -35,7 +35,9 @@ class Output:
     """What ``forward`` returns.
 
     - ``logits``: [B, T, V] in the compute dtype; None when ``forward(..., logits=False)`` was
-      asked for the losses only (training: the loss then never materialises the logits).
+      asked for the losses only (training: the loss then never materialises the logits). Under
+      tensor parallelism every tp rank gets the full V (all-gathered from the vocab-parallel
+      head: for evaluation and generation; the losses never gather them).
     - ``losses``: named terms, each already weighted (``lm``, ``balance``, ``mtp``), present
       when labels are given; their sum is the training loss.
     - ``expert_load``: MoE layer path -> int64 [E] token slots routed to each expert.
@@ -65,7 +67,7 @@ class Family:
     default_size: str
     skeleton: Callable[[Any], nn.Module]
     init_table: Callable[[Any], Sequence[tuple[str, InitSpec]]]
-    sharding_table: ShardingTable
+    sharding_table: ShardingTable | Callable[[Any], ShardingTable]
     count_targets: Callable[[Any, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
     param_counts: Callable[[Any, Mapping[str, torch.Size]], dict[str, int]]
     train_flops_per_token: Callable[[Any, Mapping[str, torch.Size], int], float]
@@ -133,6 +135,13 @@ class Model:
         """``{path: shape}`` of every param, in the skeleton's order."""
         return dict(self._shapes)
 
+    @property
+    def sharding_table(self) -> ShardingTable:
+        """The family's sharding table for this config (a family may make it from the config,
+        e.g. to name the head width its ``heads`` dims split by)."""
+        table = self.family.sharding_table
+        return table(self.config) if callable(table) else table
+
     def is_trainable(self, path: str) -> bool:
         """False for params updated outside the optimizer (the MoE expert bias)."""
         return not any(matches(p, path) for p in self.family.frozen_params)
@@ -182,7 +191,7 @@ class Model:
             t = t.to(device=device, dtype=torch.float32 if self.is_fp32(path) else dtype)
             params[path] = t.requires_grad_(self.is_trainable(path))
         if mesh is not None:
-            params = shard_params(params, self.family.sharding_table, mesh, axis_map)
+            params = shard_params(params, self.sharding_table, mesh, axis_map)
         return params
 
     def cast(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -20,6 +20,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,16 +29,17 @@ import mff  # noqa: E402
 import mff.nn.moe as moe  # noqa: E402
 from mff.backend import init_distributed  # noqa: E402
 from mff.models import get_family  # noqa: E402
+from mff.nn.layers import Linear  # noqa: E402
 from mff.optim import OptimConfig, init_state  # noqa: E402
 from mff.parallel import ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size  # noqa: E402
 from mff.train.step import train_step  # noqa: E402
 
 STEPS = 3
-GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 256
+GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 255  # an odd vocabulary: tp splits it unevenly (padded to a multiple of tp)
 
 
 def tiny(family: str):
-    """A tiny config of ``family`` whose heads, KV heads, experts, hidden and vocab all divide 4."""
+    """A tiny config of ``family`` whose heads, KV heads, experts and hidden all divide 4 (the vocab does not)."""
     cfg = get_family(family).sizes["tiny"]
     over = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     if family in ("deepseek3", "telechat3"):
@@ -60,10 +63,57 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+class _NoFullVocab(TorchDispatchMode):
+    """Fails on any plain tensor with a dim of the vocabulary's size: under tensor parallelism
+    neither the embedding nor the head nor the loss may hold all V rows or logits."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if type(t) is torch.Tensor and VOCAB in t.shape:
+                raise AssertionError(f"{func} made a {tuple(t.shape)} tensor: the full vocabulary on one tp rank")
+        return out
+
+
+def assert_tp_is_real(model, params, batch, tp: int) -> None:
+    """One forward and backward (no logits) on a tp > 1 mesh computes with 1/tp of the heads
+    in q and o projections and 1/tp of the dense MLP width (would fail if weights were
+    gathered whole), and never makes a tensor of the full vocabulary's size."""
+    widths, hooks = [], []
+    shapes = model.param_shapes()
+    for name, m in model.skeleton.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if isinstance(m, Linear) and kind in ("q_proj", "q_b_proj", "o_proj", "down_proj"):
+            column = kind in ("q_proj", "q_b_proj")
+            want = shapes[name + ".weight"][0 if column else 1] // tp
+
+            def hook(mod, args, out, name=name, column=column, want=want):
+                widths.append((name, out.shape[-1] if column else args[0].shape[-1], want))
+
+            hooks.append(m.register_forward_hook(hook))
+    try:
+        with _NoFullVocab():
+            out = model.forward(params, batch, logits=False)
+            torch.autograd.grad(out.loss, [p for p in params.values() if p.requires_grad])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert any(n.endswith("o_proj") for n, _, _ in widths), widths
+    bad = [w for w in widths if w[1] != w[2]]
+    assert not bad, f"(layer, width used, width of 1/tp): {bad}"
+
+
 def run(family: str, mesh, micro_rows: int) -> dict:
     model = tiny(family)
     params = model.init(seed=7, mesh=mesh)
-    optim = OptimConfig(lr=1e-3, max_grad_norm=1.0)
+    tp = mesh.size(mesh.mesh_dim_names.index("tp"))
+    if tp > 1:
+        assert_tp_is_real(model, params, global_batch(0), tp)
+    # eps 1e-6, not 1e-8: near g = 0 an AdamW step moves a param by lr * g / eps, so grads that
+    # are zero up to rounding (GQA key biases: softmax ignores a per-row shift) turn fp32
+    # rounding noise of ~1e-10 into param differences of ~1e-5 at eps 1e-8, whatever the
+    # layout; at 1e-6 every layout stays within a few 1e-6 of the one-process run
+    optim = OptimConfig(lr=1e-3, max_grad_norm=1.0, eps=1e-6)
     state = init_state(optim, params)
     dp, rank = data_parallel_size(mesh), data_parallel_rank(mesh)
     rows = GLOBAL_BATCH // dp

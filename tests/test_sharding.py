@@ -58,7 +58,7 @@ def test_every_deepseek3_param_has_a_rule(size):
     model = mff.build("deepseek3", size=size)
     mesh = FakeMesh(1, 8, 1, 1)
     for path, shape in model.param_shapes().items():
-        resolve_placements(path, shape, model.family.sharding_table, mesh)
+        resolve_placements(path, shape, model.sharding_table, mesh)
 
 
 def test_mesh_shape_rules():

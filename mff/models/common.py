@@ -17,7 +17,7 @@ from mff.nn.loss import count_targets as _count
 from mff.nn.rope import RopeParameters
 
 __all__ = [
-    "gqa_init_table", "scaled_init_table", "GQA_SHARDING_TABLE", "gqa_param_counts", "gqa_train_flops_per_token", "lm_count_targets",
+    "gqa_init_table", "scaled_init_table", "gqa_sharding_table", "gqa_param_counts", "gqa_train_flops_per_token", "lm_count_targets",
     "lm_balance_count_targets", "config_from_hf", "config_to_hf", "rope_to_hf", "config_from_dict",
 ]
 
@@ -42,34 +42,41 @@ def scaled_init_table(std: float, num_layers: int) -> list[tuple[str, tuple]]:
     ]
 
 
-# (path pattern, logical axis per dim); "embed" is the hidden dim that FSDP splits. The fused
-# gate_up projections keep their row dim unsplit: a TP split must interleave gate and up rows.
-GQA_SHARDING_TABLE = [
-    ("model.embed_tokens.weight", ("vocab", "embed")),
-    ("lm_head.weight", ("vocab", "embed")),
-    ("**.q_proj.weight", ("heads", "embed")),
-    ("**.k_proj.weight", ("heads", "embed")),
-    ("**.v_proj.weight", ("heads", "embed")),
-    ("**.q_proj.bias", ("heads",)),
-    ("**.k_proj.bias", ("heads",)),
-    ("**.v_proj.bias", ("heads",)),
-    ("**.o_proj.weight", ("embed", "heads")),
-    ("**.o_proj.bias", ("embed",)),
-    ("**.q_norm.weight", (None,)),
-    ("**.k_norm.weight", (None,)),
-    ("**.mlp.gate.weight", (None, "embed")),
-    ("**.mlp.gate.e_score_correction_bias", (None,)),
-    ("**.experts.gate_up_proj", ("expert", None, "embed")),
-    ("**.experts.down_proj", ("expert", "embed", "mlp")),
-    ("**.gate_up_proj.weight", (None, "embed")),
-    ("**.gate_proj.weight", ("mlp", "embed")),
-    ("**.up_proj.weight", ("mlp", "embed")),
-    ("**.down_proj.weight", ("embed", "mlp")),
-    ("**.gate_proj.bias", ("mlp",)),
-    ("**.up_proj.bias", ("mlp",)),
-    ("**.down_proj.bias", ("embed",)),
-    ("**.*norm.weight", ("embed",)),
-]
+def gqa_sharding_table(cfg: Any) -> list[tuple[str, tuple]]:
+    """(path pattern, logical axis per dim) of the GQA families. ``embed`` is the hidden dim
+    FSDP splits; ``heads`` dims split in whole heads of ``head_dim`` rows, ``mlp`` the MLP
+    width and ``vocab`` the vocabulary (tensor parallelism: q/k/v and gate/up column-parallel,
+    o and down row-parallel, see :mod:`mff.parallel.tp`). GLM-4's fused ``gate_up_proj`` is
+    stored split by rows and computed as :class:`mff.nn.mlp.FusedGatedMLP` says. Routed experts
+    are not tensor-parallel: their ``mlp`` dims stay whole (None), so every tp rank computes
+    them in full from the same tokens."""
+    heads = ("heads", cfg.head_dim)
+    return [
+        ("model.embed_tokens.weight", ("vocab", "embed")),
+        ("lm_head.weight", ("vocab", "embed")),
+        ("**.q_proj.weight", (heads, "embed")),
+        ("**.k_proj.weight", (heads, "embed")),
+        ("**.v_proj.weight", (heads, "embed")),
+        ("**.q_proj.bias", (heads,)),
+        ("**.k_proj.bias", (heads,)),
+        ("**.v_proj.bias", (heads,)),
+        ("**.o_proj.weight", ("embed", heads)),
+        ("**.o_proj.bias", ("embed",)),
+        ("**.q_norm.weight", (None,)),
+        ("**.k_norm.weight", (None,)),
+        ("**.mlp.gate.weight", (None, "embed")),
+        ("**.mlp.gate.e_score_correction_bias", (None,)),
+        ("**.experts.gate_up_proj", ("expert", None, "embed")),
+        ("**.experts.down_proj", ("expert", "embed", None)),
+        ("**.gate_up_proj.weight", ("mlp", "embed")),
+        ("**.gate_proj.weight", ("mlp", "embed")),
+        ("**.up_proj.weight", ("mlp", "embed")),
+        ("**.down_proj.weight", ("embed", "mlp")),
+        ("**.gate_proj.bias", ("mlp",)),
+        ("**.up_proj.bias", ("mlp",)),
+        ("**.down_proj.bias", ("embed",)),
+        ("**.*norm.weight", ("embed",)),
+    ]
 
 
 def gqa_param_counts(cfg: Any, shapes: Mapping[str, torch.Size], expert_fraction: float = 1.0) -> dict[str, int]:

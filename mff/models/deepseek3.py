@@ -25,15 +25,14 @@ from mff.model import Family, Output
 from mff.models.common import config_from_hf, config_to_hf, scaled_init_table
 from mff.nn.blocks import BlockExecution, run_block
 from mff.nn.decoder import prepare_positions_and_mask
-from mff.nn.layers import Embedding, RMSNorm, linear
+from mff.nn.head import HeadWeight, head_cross_entropy_sum, head_logits, head_weight
+from mff.nn.layers import Embedding, RMSNorm
 from mff.nn.loss import count_targets as _count
-from mff.nn.loss import linear_cross_entropy_sum
 from mff.nn.mla import MLA
 from mff.nn.mlp import GatedMLP
 from mff.nn.moe import MoE, sequence_balance_loss
 from mff.nn.mtp import add_mtp_params, mtp_block_input, mtp_labels
 from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq, yarn_softmax_scale
-from mff.parallel.gather import gather
 
 __all__ = ["DeepseekV3Config", "SIZES", "FAMILY", "DeepseekV3ForCausalLM"]
 
@@ -246,8 +245,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self._inv_freq = inv_freq.tolist()  # a plain list: skeletons hold no buffers
         self.execution: BlockExecution | None = None  # set by Model.with_execution
 
-    def _head_weight(self) -> torch.Tensor:
-        return gather(self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight)
+    def _head_weight(self) -> HeadWeight:
+        return head_weight(self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight)
 
     def cache_shapes(self, batch_size: int, max_len: int) -> list[dict[str, tuple[int, ...]]]:
         """Per main layer (MTP depths are not used in generation), the MLA latent cache shapes."""
@@ -273,15 +272,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             if load is not None:
                 expert_load[f"model.layers.{i}.mlp"] = load.detach()
                 balance.append(bal)
-        w = self._head_weight()
+        head = self._head_weight()
         h_main = self.model.norm(h)
         with_loss = labels is not None and cache is None
-        out = Output(logits=linear(h_main, w) if return_logits or not with_loss else None, expert_load=expert_load, cache=new_cache)
+        out = Output(logits=head_logits(h_main, head) if return_logits or not with_loss else None, expert_load=expert_load, cache=new_cache)
         if not with_loss:
             return out
 
         counts = target_counts if target_counts is not None else count_targets(cfg, {"labels": labels, "document_ids": document_ids, "input_ids": input_ids})
-        out.losses["lm"] = linear_cross_entropy_sum(h_main.reshape(B * T, -1), w, labels.reshape(-1)) / counts["lm"].clamp(min=1)
+        out.losses["lm"] = head_cross_entropy_sum(h_main.reshape(B * T, -1), head, labels.reshape(-1)) / counts["lm"].clamp(min=1)
         mtp_terms = []
         for k in range(1, cfg.num_nextn_predict_layers + 1):
             layer = self.model.layers[L + k - 1]
@@ -290,7 +289,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if load is not None:
                 expert_load[f"model.layers.{L + k - 1}.mlp"] = load.detach()
                 balance.append(bal)
-            ce = linear_cross_entropy_sum(layer.shared_head.norm(h).reshape(B * T, -1), w, mtp_labels(labels, document_ids, k).reshape(-1))
+            ce = head_cross_entropy_sum(layer.shared_head.norm(h).reshape(B * T, -1), head, mtp_labels(labels, document_ids, k).reshape(-1))
             mtp_terms.append(ce / counts[f"mtp.{k}"].clamp(min=1))
         if mtp_terms:
             out.losses["mtp"] = cfg.mtp_loss_scaling_factor / len(mtp_terms) * sum(mtp_terms)
@@ -310,30 +309,36 @@ def init_table(cfg: DeepseekV3Config) -> list[tuple[str, tuple]]:
     return scaled_init_table(cfg.initializer_range, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
 
 
-SHARDING_TABLE = [
-    # (path pattern, logical axis per dim); "embed" is the hidden dim FSDP splits.
-    ("model.embed_tokens.weight", ("vocab", "embed")),
-    ("lm_head.weight", ("vocab", "embed")),
-    ("**.q_proj.weight", ("heads", "embed")),
-    ("**.q_a_proj.weight", (None, "embed")),
-    ("**.q_b_proj.weight", ("heads", None)),
-    ("**.kv_a_proj_with_mqa.weight", (None, "embed")),
-    ("**.kv_b_proj.weight", ("heads", None)),
-    ("**.o_proj.weight", ("embed", "heads")),
-    ("**.o_proj.bias", ("embed",)),
-    ("**.bias", (None,)),
-    ("**.mlp.gate.weight", (None, "embed")),
-    ("**.mlp.gate.e_score_correction_bias", (None,)),
-    ("**.experts.gate_up_proj", ("expert", "mlp", "embed")),
-    ("**.experts.down_proj", ("expert", "embed", "mlp")),
-    ("**.gate_proj.weight", ("mlp", "embed")),
-    ("**.up_proj.weight", ("mlp", "embed")),
-    ("**.down_proj.weight", ("embed", "mlp")),
-    ("**.eh_proj.weight", ("embed", None)),
-    ("**.q_a_layernorm.weight", (None,)),
-    ("**.kv_a_layernorm.weight", (None,)),
-    ("**.*norm.weight", ("embed",)),
-]
+def sharding_table(cfg: DeepseekV3Config) -> list[tuple[str, tuple]]:
+    """(path pattern, logical axis per dim). ``embed`` is the hidden dim FSDP splits; ``heads``
+    dims split in whole heads (tensor parallelism: q_b/q and kv_b column-parallel, o
+    row-parallel; the low-rank q_a and kv_a projections, their norms and eh_proj stay whole
+    over tp), ``mlp`` the dense and shared-expert width (gate/up column, down row), ``vocab``
+    the vocabulary. Routed experts are not tensor-parallel (their ``mlp`` dims are None)."""
+    qk = ("heads", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    return [
+        ("model.embed_tokens.weight", ("vocab", "embed")),
+        ("lm_head.weight", ("vocab", "embed")),
+        ("**.q_proj.weight", (qk, "embed")),
+        ("**.q_a_proj.weight", (None, "embed")),
+        ("**.q_b_proj.weight", (qk, None)),
+        ("**.kv_a_proj_with_mqa.weight", (None, "embed")),
+        ("**.kv_b_proj.weight", (("heads", cfg.qk_nope_head_dim + cfg.v_head_dim), None)),
+        ("**.o_proj.weight", ("embed", ("heads", cfg.v_head_dim))),
+        ("**.o_proj.bias", ("embed",)),
+        ("**.bias", (None,)),
+        ("**.mlp.gate.weight", (None, "embed")),
+        ("**.mlp.gate.e_score_correction_bias", (None,)),
+        ("**.experts.gate_up_proj", ("expert", None, "embed")),
+        ("**.experts.down_proj", ("expert", "embed", None)),
+        ("**.gate_proj.weight", ("mlp", "embed")),
+        ("**.up_proj.weight", ("mlp", "embed")),
+        ("**.down_proj.weight", ("embed", "mlp")),
+        ("**.eh_proj.weight", ("embed", None)),
+        ("**.q_a_layernorm.weight", (None,)),
+        ("**.kv_a_layernorm.weight", (None,)),
+        ("**.*norm.weight", ("embed",)),
+    ]
 
 
 def count_targets(cfg: DeepseekV3Config, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -405,7 +410,7 @@ FAMILY = Family(
     default_size="tiny",
     skeleton=DeepseekV3ForCausalLM,
     init_table=init_table,
-    sharding_table=SHARDING_TABLE,
+    sharding_table=sharding_table,
     count_targets=count_targets,
     param_counts=param_counts,
     train_flops_per_token=train_flops_per_token,

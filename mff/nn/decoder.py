@@ -25,12 +25,11 @@ from torch import nn
 from mff.model import Output
 from mff.nn.attention import cache_causal_mask, document_causal_mask
 from mff.nn.blocks import BlockExecution, run_block
-from mff.nn.layers import Embedding, RMSNorm, linear
+from mff.nn.head import head_cross_entropy_sum, head_logits, head_weight
+from mff.nn.layers import Embedding, RMSNorm
 from mff.nn.loss import count_targets as _count
-from mff.nn.loss import linear_cross_entropy_sum
 from mff.nn.moe import MoE
 from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq
-from mff.parallel.gather import gather
 
 __all__ = ["DecoderLayer", "CausalLM", "BalanceFn", "prepare_positions_and_mask"]
 
@@ -173,14 +172,13 @@ class CausalLM(nn.Module):
                 expert_load[f"model.layers.{i}.mlp"] = routing[0].detach()
                 scores.append(routing[1])
                 indices.append(routing[2])
-        w = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        head = head_weight(self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight)
         h = self.model.norm(h)
-        w = gather(w)
-        out = Output(logits=linear(h, w) if return_logits or labels is None else None, expert_load=expert_load, cache=new_cache)
+        out = Output(logits=head_logits(h, head) if return_logits or labels is None else None, expert_load=expert_load, cache=new_cache)
         if labels is None:
             return out
         counts = target_counts if target_counts is not None else {"lm": _count(labels), "balance": torch.tensor(labels.numel())}
-        out.losses["lm"] = linear_cross_entropy_sum(h.reshape(B * T, -1), w, labels.reshape(-1)) / counts["lm"].clamp(min=1)
+        out.losses["lm"] = head_cross_entropy_sum(h.reshape(B * T, -1), head, labels.reshape(-1)) / counts["lm"].clamp(min=1)
         if scores and self._balance_fn is not None:
             term = self._balance_fn(cfg, scores, indices, {**counts, "tokens": torch.tensor(labels.numel())})
             if term is not None:

@@ -6,6 +6,12 @@ Param names are HF transformers': ``q_proj`` [H*Dh, D], ``k_proj`` / ``v_proj`` 
 ``o_proj`` [D, H*Dh], optional ``q_norm`` / ``k_norm`` [Dh]. Query head h reads KV head
 ``h // (H / Hkv)`` (HF ``repeat_kv``; :func:`mff.nn.attention.repeat_kv`). Softmax scale ``Dh ** -0.5``.
 
+Tensor parallelism (Megatron-LM): with q/k/v split by heads over ``tp`` (column-parallel, their
+biases split alike) and o_proj by its input heads (row-parallel), each rank computes H / tp
+query heads and Hkv / tp KV heads; rank r's query heads read rank r's KV heads, the same
+``h // (H / Hkv)`` grouping. Head counts are read from the projections' local widths. q/k
+norms act per head and stay replicated; their gradients are summed over tp.
+
 Shape legend: B batch, T sequence, D hidden, H query heads, Hkv KV heads, Dh head_dim,
 R rotary dims (<= Dh).
 """
@@ -18,8 +24,14 @@ from torch import nn
 from mff.nn.attention import causal_attention
 from mff.nn.layers import Linear, RMSNorm
 from mff.nn.rope import apply_rope
+from mff.parallel.tp import tp_shard
 
 __all__ = ["GQA"]
+
+
+def _group(w: torch.Tensor):
+    split = tp_shard(w)
+    return split.group if split is not None else None
 
 
 class GQA(nn.Module):
@@ -62,16 +74,20 @@ class GQA(nn.Module):
         written at ``slots`` (int64 [T], in place) and attention runs over all S slots with
         ``mask`` [B, 1, T, S]."""
         B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x_BTD).view(B, T, self.num_kv, self.head_dim)
-        v = self.v_proj(x_BTD).view(B, T, self.num_kv, self.head_dim)
+        # -1: the heads of this rank (all of them without tensor parallelism)
+        q = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, _group(self.q_proj.weight)), self.k_norm(k, _group(self.k_proj.weight))
         q = apply_rope(q, cos, sin, layout=self.rope_layout)
         k = apply_rope(k, cos, sin, layout=self.rope_layout)
         if kv is not None:
+            if kv["k"].shape[2] != k.shape[2]:
+                raise NotImplementedError(f"a KV cache of {kv['k'].shape[2]} KV heads, but this rank computes {k.shape[2]}: "
+                                          "generation with a GQA KV cache under tensor parallelism is not supported")
             kv["k"].index_copy_(1, slots, k.to(kv["k"].dtype))
             kv["v"].index_copy_(1, slots, v.to(kv["v"].dtype))
             k, v = kv["k"], kv["v"]
         o = causal_attention(q, k, v, self.head_dim ** -0.5, mask)
-        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(B, T, -1))

@@ -1,8 +1,12 @@
 """Parameter-holding leaf layers of the meta skeleton: Linear, Embedding, RMSNorm.
 
 Each gathers its weights on use (:func:`mff.parallel.gather`), so the same layer runs on
-DTensor params sharded on any mesh and on plain tensors. The skeleton is built on the meta
-device and holds no storage and no buffers; real tensors come in through
+DTensor params sharded on any mesh and on plain tensors. A weight split over the ``tp`` mesh
+axis makes the layer tensor-parallel (Megatron-LM, :mod:`mff.parallel.tp`): a ``Linear``
+whose weight rows (out features) are split is column-parallel, one whose columns (in
+features) are split is row-parallel; an ``Embedding`` whose rows are split is vocab-parallel.
+The weight's placement decides; model code does not change. The skeleton is built on the
+meta device and holds no storage and no buffers; real tensors come in through
 ``torch.func.functional_call``.
 
 Shape legend: B batch, T sequence, D input features, F output features, V vocabulary.
@@ -16,6 +20,7 @@ from torch import nn
 
 from mff.backend import ops
 from mff.parallel.gather import gather
+from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, reduce_from_tp, tp_shard
 
 __all__ = ["Linear", "Embedding", "RMSNorm", "linear"]
 
@@ -35,7 +40,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)``; ``weight`` [F, D] (the HF/PyTorch layout), optional ``bias`` [F]."""
+    """``y = x W^T (+ b)``; ``weight`` [F, D] (the HF/PyTorch layout), optional ``bias`` [F].
+
+    Tensor parallelism, from the weight's placement on the ``tp`` axis:
+
+    - ``Shard(0)`` (column-parallel): ``x`` [..., D] is the same on every tp rank; the output
+      [..., F / tp] holds this rank's features; the bias must be split like them.
+    - ``Shard(1)`` (row-parallel): ``x`` [..., D / tp] holds this rank's features; the partial
+      products are all-reduced over tp into the full [..., F]; the bias (replicated over tp)
+      is added once, after the sum.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
@@ -43,29 +57,56 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        b = gather(self.bias) if self.bias is not None else None
-        return linear(x_BTD, gather(self.weight), b)
+        split = tp_shard(self.weight)
+        if split is None:
+            b = gather(self.bias) if self.bias is not None else None
+            return linear(x_BTD, gather(self.weight), b)
+        w = gather(self.weight, keep=(TP_AXIS,))
+        if split.dim == 0:
+            b = gather(self.bias, keep=(TP_AXIS,)) if self.bias is not None else None
+            return linear(copy_to_tp(x_BTD, split.group), w, b)
+        y = reduce_from_tp(linear(x_BTD, w), split.group)
+        return y + gather(self.bias) if self.bias is not None else y
 
 
 class Embedding(nn.Module):
-    """Token embedding lookup; ``weight`` [V, D]. ``ids`` int64 [B, T] -> [B, T, D]."""
+    """Token embedding lookup; ``weight`` [V, D]. ``ids`` int64 [B, T] -> [B, T, D].
+
+    Vocab-parallel when the rows are split over ``tp`` (Megatron's ``VocabParallelEmbedding``):
+    each rank looks up the ids in its row range (:func:`mff.parallel.tp.chunk_range`), writes
+    zeros for the others, and the partial results are all-reduced over tp.
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids_BT, gather(self.weight))
+        split = tp_shard(self.weight)
+        if split is None or split.dim != 0:
+            return F.embedding(ids_BT, gather(self.weight))
+        w = gather(self.weight, keep=(TP_AXIS,))
+        start, stop = chunk_range(self.weight.shape[0], split.rank, split.size)
+        mine = (ids_BT >= start) & (ids_BT < stop)
+        local = torch.where(mine, ids_BT - start, 0)
+        h = F.embedding(local, w) * mine.unsqueeze(-1).to(w.dtype)
+        return reduce_from_tp(h, split.group)
 
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) with HF transformers' numerics: fp32 statistics, the
-    normalised input cast back to the input dtype before the ``weight`` [D] scale."""
+    normalised input cast back to the input dtype before the ``weight`` [D] scale.
+
+    ``forward(x, tp_group=None)``: ``tp_group`` names the tensor-parallel group when ``x`` holds
+    only this rank's part of the normalised units (the per-head q/k norms of a tensor-parallel
+    attention: each rank scales its own heads by the same replicated weight), so the weight's
+    gradient is summed over the group (Megatron all-reduces these layernorm grads over tp).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, gather(self.weight), self.eps)
+    def forward(self, x: torch.Tensor, tp_group=None) -> torch.Tensor:
+        return ops.rms_norm(x, copy_to_tp(gather(self.weight), tp_group), self.eps)

@@ -4,9 +4,13 @@ count (per micro-batch, or the global count of a step across micro-batches and r
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "cross_entropy_sum", "count_targets", "default_chunk_rows", "linear_cross_entropy_sum"]
+from mff.parallel.tp import copy_to_tp
+
+__all__ = ["IGNORE_INDEX", "cross_entropy_sum", "count_targets", "default_chunk_rows", "linear_cross_entropy_sum",
+           "vocab_parallel_linear_cross_entropy_sum"]
 
 IGNORE_INDEX = -100
 
@@ -43,32 +47,52 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Sum of token cross entropies of ``h W^T``, chunk by chunk over the rows, with the
     gradients computed in the same pass (so the backward holds no logits): the fused
     linear-cross-entropy of Liger-Kernel / Apple's "Cut Your Losses" (arXiv 2411.09009), written
-    here with plain matmuls."""
+    here with plain matmuls.
+
+    With a process ``group``, ``w_VD`` holds vocabulary rows ``[start, start + V_local)`` of a
+    vocabulary split over the group's ranks (Megatron-LM's ``vocab_parallel_cross_entropy``):
+    per chunk, each rank's log-sum-exp over its rows and its logit of the target (0 when the
+    target is another rank's) are all-gathered in one collective and combined into the full
+    row's values; the gradient of ``h`` is this rank's part (the caller sums it over the group).
+    """
 
     @staticmethod
-    def forward(ctx, h_ND, w_VD, labels_N, chunk_rows: int, need_grad: bool):
+    def forward(ctx, h_ND, w_VD, labels_N, chunk_rows: int, need_grad: bool, start: int, group):
         N = h_ND.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_h = torch.empty_like(h_ND) if need_grad else None
         grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_grad else None
-        for start in range(0, N, chunk_rows):
-            h = h_ND[start:start + chunk_rows]
-            y = labels_N[start:start + chunk_rows]
-            logits = h @ w_VD.t()  # [n, V]: the only logits alive at a time
+        ranks = dist.get_world_size(group) if group is not None else 1
+        for begin in range(0, N, chunk_rows):
+            h = h_ND[begin:begin + chunk_rows]
+            y = labels_N[begin:begin + chunk_rows]
+            logits = h @ w_VD.t()  # [n, V_local]: the only logits alive at a time
             if logits.dtype != torch.float32:
                 logits = logits.float()
             keep = y != IGNORE_INDEX
-            safe = torch.where(keep, y, 0)
+            if group is None:
+                mine = keep
+                safe = torch.where(keep, y, 0)
+            else:
+                local = y - start
+                mine = keep & (local >= 0) & (local < w_VD.shape[0])
+                safe = torch.where(mine, local, 0)
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
+            if group is not None:
+                stats = torch.stack((lse, picked * mine))  # [2, n]
+                parts = [torch.empty_like(stats) for _ in range(ranks)]
+                dist.all_gather(parts, stats.contiguous(), group=group)
+                stats = torch.stack(parts)  # [ranks, 2, n]
+                lse, picked = torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(0)
             total += ((lse - picked) * keep).sum()
             if need_grad:
                 # d/dlogits of sum CE = softmax - onehot(label), zero for ignored rows
                 g = torch.exp(logits.sub_(lse[:, None]))
-                g[torch.arange(g.shape[0], device=g.device), safe] -= 1.0
+                g[torch.arange(g.shape[0], device=g.device), safe] -= mine.to(g.dtype)
                 g.mul_(keep[:, None])
                 g = g.to(h.dtype)
-                grad_h[start:start + chunk_rows] = g @ w_VD
+                grad_h[begin:begin + chunk_rows] = g @ w_VD
                 if h.dtype == torch.float32:
                     grad_w.addmm_(g.t(), h)
                 else:  # the product in the compute dtype (no fp32 copies of g and h), summed in fp32
@@ -80,7 +104,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None
+        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None, None
+
+
+def _check_head_inputs(where: str, h_ND, weight_VD, labels_N, chunk_rows, vocab_size: int) -> None:
+    if h_ND.dim() != 2 or weight_VD.dim() != 2 or h_ND.shape[1] != weight_VD.shape[1] or labels_N.shape != h_ND.shape[:1]:
+        raise ValueError(f"{where}: h {tuple(h_ND.shape)}, weight {tuple(weight_VD.shape)}, labels "
+                         f"{tuple(labels_N.shape)}; expected [N, D], [V, D], [N]")
+    if labels_N.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{where}: labels must be int64 (or int32) token ids, got {labels_N.dtype}")
+    if chunk_rows is not None and chunk_rows < 1:
+        raise ValueError(f"{where}: chunk_rows={chunk_rows} must be >= 1")
+    bad = (labels_N != IGNORE_INDEX) & ((labels_N < 0) | (labels_N >= vocab_size))
+    if bool(bad.any()):
+        raise IndexError(f"label {int(labels_N[bad][0])} is outside the vocabulary [0, {vocab_size})")
 
 
 def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor,
@@ -101,19 +138,46 @@ def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels
         IndexError: a label outside [0, V) that is not ``IGNORE_INDEX``.
         ValueError: mismatched shapes, labels that are not integers, ``chunk_rows`` < 1.
     """
-    if h_ND.dim() != 2 or weight_VD.dim() != 2 or h_ND.shape[1] != weight_VD.shape[1] or labels_N.shape != h_ND.shape[:1]:
-        raise ValueError(f"linear_cross_entropy_sum: h {tuple(h_ND.shape)}, weight {tuple(weight_VD.shape)}, labels "
-                         f"{tuple(labels_N.shape)}; expected [N, D], [V, D], [N]")
-    if labels_N.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"linear_cross_entropy_sum: labels must be int64 (or int32) token ids, got {labels_N.dtype}")
-    if chunk_rows is not None and chunk_rows < 1:
-        raise ValueError(f"linear_cross_entropy_sum: chunk_rows={chunk_rows} must be >= 1")
     V = weight_VD.shape[0]
-    bad = (labels_N != IGNORE_INDEX) & ((labels_N < 0) | (labels_N >= V))
-    if bool(bad.any()):
-        raise IndexError(f"label {int(labels_N[bad][0])} is outside the vocabulary [0, {V})")
+    _check_head_inputs("linear_cross_entropy_sum", h_ND, weight_VD, labels_N, chunk_rows, V)
     need_grad = torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad)
     rows = chunk_rows or default_chunk_rows(V)
     if weight_VD.dtype != h_ND.dtype:
         weight_VD = weight_VD.to(h_ND.dtype)
-    return _LinearCrossEntropy.apply(h_ND, weight_VD, labels_N, rows, need_grad)
+    return _LinearCrossEntropy.apply(h_ND, weight_VD, labels_N, rows, need_grad, 0, None)
+
+
+def vocab_parallel_linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, vocab_start: int,
+                                            vocab_size: int, group: dist.ProcessGroup | None,
+                                            chunk_rows: int | None = None) -> torch.Tensor:
+    """:func:`linear_cross_entropy_sum` with the head's vocabulary rows split over the ranks
+    of ``group`` (tensor parallelism; Megatron-LM's ``vocab_parallel_cross_entropy``).
+
+    Each rank holds ``weight_VD`` = rows ``[vocab_start, vocab_start + V_local)`` of the
+    ``vocab_size``-row head and the same ``h_ND`` and ``labels_N``; per chunk of rows it makes
+    only its [n, V_local] logits, and the ranks exchange two numbers per token (the
+    log-sum-exp over their rows and the target's logit), so no rank holds the full logits.
+    Returns the sum over target tokens (fp32, 0-d, the same on every rank). The backward gives
+    each rank the gradient of its weight rows and sums the gradient of ``h`` over the group.
+    ``chunk_rows`` (default :func:`default_chunk_rows` of ``ceil(vocab_size / ranks)``) must be
+    the same on every rank, as must the shapes of ``h_ND`` and ``labels_N``.
+
+    Raises:
+        IndexError: a label outside [0, vocab_size) that is not ``IGNORE_INDEX``.
+        ValueError: mismatched shapes, labels that are not integers, ``chunk_rows`` < 1, a
+            row range outside the vocabulary.
+    """
+    where = "vocab_parallel_linear_cross_entropy_sum"
+    _check_head_inputs(where, h_ND, weight_VD, labels_N, chunk_rows, vocab_size)
+    if not 0 <= vocab_start <= vocab_start + weight_VD.shape[0] <= vocab_size:
+        raise ValueError(f"{where}: rows [{vocab_start}, {vocab_start + weight_VD.shape[0]}) are not inside the vocabulary [0, {vocab_size})")
+    if group is None or dist.get_world_size(group) == 1:
+        if weight_VD.shape[0] != vocab_size:
+            raise ValueError(f"{where}: without a group the weight must hold all {vocab_size} rows, not {weight_VD.shape[0]}")
+        return linear_cross_entropy_sum(h_ND, weight_VD, labels_N, chunk_rows)
+    ranks = dist.get_world_size(group)
+    need_grad = torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad)
+    rows = chunk_rows or default_chunk_rows(-(-vocab_size // ranks))
+    if weight_VD.dtype != h_ND.dtype:
+        weight_VD = weight_VD.to(h_ND.dtype)
+    return _LinearCrossEntropy.apply(copy_to_tp(h_ND, group), weight_VD, labels_N, rows, need_grad, vocab_start, group)

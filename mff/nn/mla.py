@@ -13,6 +13,11 @@ attention, DeepSeek-V2 paper section 2.1.2 / appendix; MindFormers' absorbed MLA
 ``(q_nope W_UK) . c_s + q_rot . k_rot_s`` and the output ``(sum_s a_s c_s) W_UV^T``, which
 equals the expanded computation. The cache per token per layer is C + R values.
 
+Tensor parallelism (Megatron-LM): ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` split by
+heads over ``tp`` (column-parallel), ``o_proj`` by its input heads (row-parallel); the
+low-rank ``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms, and so the latent cache, stay
+replicated. Each rank computes H / tp heads, read from the projections' local widths.
+
 Shape legend: B batch, T sequence, S cached slots, D hidden, H heads, N qk_nope_head_dim,
 R qk_rope_head_dim, Vd v_head_dim, C kv_lora_rank. Numerics follow HF ``DeepseekV3Attention``: the softmax scale is
 ``(N + R) ** -0.5`` times the YaRN correction (:func:`mff.nn.rope.yarn_softmax_scale`).
@@ -27,6 +32,7 @@ from mff.nn.attention import causal_attention
 from mff.nn.layers import Linear, RMSNorm
 from mff.nn.rope import apply_rope
 from mff.parallel.gather import gather
+from mff.parallel.tp import TP_AXIS, copy_to_tp, tp_shard
 
 __all__ = ["MLA"]
 
@@ -77,12 +83,12 @@ class MLA(nn.Module):
         "k_rot": [B, S, R]}``): writes this step's ``slots`` (int64 [T]) in place and attends over
         all S slots in the latent space, ``mask`` [B, 1, T, S]."""
         B, T, _ = x_BTD.shape
-        H = self.num_heads
         if self.q_lora_rank is None:
             q = self.q_proj(x_BTD)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
-        q_BTHK = q.view(B, T, H, self.nope + self.rope)
+        q_BTHK = q.view(B, T, -1, self.nope + self.rope)  # H: this rank's heads
+        H = q_BTHK.shape[2]
         q_nope, q_rot = q_BTHK.split([self.nope, self.rope], dim=-1)
 
         kv_a = self.kv_a_proj_with_mqa(x_BTD)
@@ -90,6 +96,10 @@ class MLA(nn.Module):
         c_BTC = self.kv_a_layernorm(c_BTC)
 
         q_rot = apply_rope(q_rot, cos, sin, self.rope_interleave)
+        # the shared rotary key (replicated over tp) serves this rank's heads only: its
+        # gradient is summed over the tp ranks (Megatron's copy to the tensor-parallel region)
+        split = tp_shard(self.kv_b_proj.weight)
+        k_rot_BTR = copy_to_tp(k_rot_BTR, split.group if split is not None else None)
         k_rot_BT1R = apply_rope(k_rot_BTR.unsqueeze(2), cos, sin, self.rope_interleave)
         if kv is not None:
             return self._absorbed(q_nope, q_rot, c_BTC, k_rot_BT1R.squeeze(2), mask, kv, slots)
@@ -106,7 +116,7 @@ class MLA(nn.Module):
         kv["c"].index_copy_(1, slots, c_BTC.to(kv["c"].dtype))
         kv["k_rot"].index_copy_(1, slots, k_rot_BTR.to(kv["k_rot"].dtype))
         c_BSC, k_rot_BSR = kv["c"], kv["k_rot"]
-        w = gather(self.kv_b_proj.weight).view(H, self.nope + self.v_dim, self.kv_lora_rank)
+        w = gather(self.kv_b_proj.weight, keep=(TP_AXIS,)).view(H, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
         q_cat = torch.cat((q_lat, q_rot), dim=-1)  # [B, T, H, C + R]

@@ -1,7 +1,8 @@
 """Gated MLP (SwiGLU, Shazeer 2020): ``down(silu(gate(x)) * up(x))``.
 
 Param names as HF (``gate_proj`` [F, D], ``up_proj`` [F, D], ``down_proj`` [D, F]); used for
-dense layers and for MoE shared experts.
+dense layers and for MoE shared experts. Tensor-parallel (Megatron-LM) when the weights are
+split over ``tp``: gate/up column-parallel, down row-parallel (see :class:`mff.nn.layers.Linear`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mff.nn.layers import Linear
+from mff.nn.layers import Linear, linear
+from mff.parallel.gather import gather
+from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, tp_shard
 
 __all__ = ["GatedMLP", "FusedGatedMLP"]
 
@@ -30,7 +33,18 @@ class GatedMLP(nn.Module):
 
 class FusedGatedMLP(nn.Module):
     """SwiGLU with one fused ``gate_up_proj`` [2F, D] (gate rows first, then up rows; HF
-    ``Glm4MLP``) and ``down_proj`` [D, F]. ``forward(x [..., D]) -> [..., D]``."""
+    ``Glm4MLP``) and ``down_proj`` [D, F]. ``forward(x [..., D]) -> [..., D]``.
+
+    Tensor parallelism, when ``gate_up_proj``'s rows are split over ``tp``: a plain row split
+    would give rank 0 the gate rows and the last rank the up rows, so the weight is stored
+    split (memory / tp) but gathered whole over tp on use, and each rank computes with its
+    ``torch.chunk`` block of the gate rows and the same block of the up rows (the features
+    ``down_proj``, row-parallel, holds). Cost beyond the split gate/up layers of the other
+    families: per layer and micro-batch an all-gather of the [2F, D / dp] weight over tp in
+    the forward and a reduce-scatter of its gradient in the backward ((tp - 1) / tp of
+    2 F D / dp elements each way: the traffic of one all-reduce of the weight), no extra
+    activation traffic.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -38,5 +52,12 @@ class FusedGatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        split = tp_shard(self.gate_up_proj.weight)
+        if split is None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        w_gate, w_up = gather(self.gate_up_proj.weight, partial=(TP_AXIS,)).chunk(2, dim=0)
+        start, stop = chunk_range(w_gate.shape[0], split.rank, split.size)
+        x = copy_to_tp(x, split.group)
+        gate, up = linear(x, w_gate[start:stop]), linear(x, w_up[start:stop])
         return self.down_proj(F.silu(gate) * up)

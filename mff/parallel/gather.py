@@ -8,7 +8,10 @@ its own tokens), so autograd's backward of the redistribute reduce-scatters it o
 size 1 the declaration is ``Replicate`` (identical, and no collective is issued).
 
 Axes named in ``keep`` stay sharded: a tensor-parallel layer keeps its ``tp`` shard and the
-experts keep their ``ep`` shard; their gradients stay ``Shard`` on those axes.
+experts keep their ``ep`` shard; their gradients stay ``Shard`` on those axes. Axes named in
+``partial`` are gathered with a ``Partial`` gradient: each of their ranks used a different part
+of the gathered weight (GLM-4's fused ``gate_up_proj`` under tensor parallelism), so the parts
+are summed (reduce-scattered onto a ``Shard`` param) in the backward.
 
 Plain tensors pass through untouched, so ``forward(params, batch)`` also works on an ordinary
 ``dict[str, Tensor]`` in research code.
@@ -24,13 +27,15 @@ from mff.parallel.mesh import DATA_AXES
 __all__ = ["DATA_AXES", "gather"]
 
 
-def gather(w: torch.Tensor, keep: tuple[str, ...] = ()) -> torch.Tensor:
+def gather(w: torch.Tensor, keep: tuple[str, ...] = (), partial: tuple[str, ...] = ()) -> torch.Tensor:
     """The tensor of param ``w`` this rank computes with, differentiable back to ``w``.
 
     Args:
         w: a param leaf: a DTensor with any placements, or a plain tensor.
         keep: mesh axis names on which ``w`` keeps its ``Shard`` (e.g. ``("tp",)`` in a
             tensor-parallel layer); every other axis is gathered.
+        partial: mesh axis names (besides the data-parallel ones) over which the gradient of
+            the gathered tensor is a partial sum.
     Returns:
         A plain tensor: ``w``'s global shape, except along dims sharded on a ``keep`` axis,
         which hold this rank's shard. For a DTensor the backward yields a gradient with
@@ -48,7 +53,8 @@ def gather(w: torch.Tensor, keep: tuple[str, ...] = ()) -> torch.Tensor:
             grad.append(p)
         else:
             target.append(Replicate())
-            grad.append(Partial() if name in DATA_AXES and mesh.size(i) > 1 else Replicate())
+            summed = name in DATA_AXES or name in partial
+            grad.append(Partial() if summed and mesh.size(i) > 1 else Replicate())
     full = w.redistribute(mesh, target)
     if not w.requires_grad:
         return full.to_local()

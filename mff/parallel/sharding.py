@@ -9,6 +9,14 @@ Rules (first matching row wins; see ``mff.tree`` for the pattern syntax):
   axis first (dense params' ``embed`` dim is FSDP-sharded over ``dp_shard`` and ``ep``);
 - a dim whose size does not divide the product of its mesh axes is an error naming the param,
   the dim and the sizes;
+- a logical axis may be written ``(name, unit)``: the dim is made of blocks of ``unit``
+  elements that are never cut (attention heads of ``head_dim`` rows), so the *number of
+  blocks* must divide (``num_key_value_heads`` 2 does not divide tp 4, even though 2 x 128
+  rows would);
+- the ``vocab`` axis (:data:`UNEVEN_AXES`) may split unevenly: its rows are cut as
+  ``torch.chunk`` cuts them (DTensor's ``Shard``; parts of ``ceil(V / n)`` rows, the last
+  shorter), which is the vocabulary padded to a multiple of n with the padding rows left
+  unstored, so they can never be predicted; every rank must hold at least one row;
 - a mesh axis shards at most one dim of a param (the first dim mapped to it): a stacked expert
   tensor's ``expert`` dim takes ``ep``, so its ``embed`` dim is split over ``dp_shard`` only.
 """
@@ -30,9 +38,10 @@ from torch.distributed.tensor import (
 
 from mff.tree import first_match
 
-__all__ = ["ShardingTable", "AxisMap", "DEFAULT_AXIS_MAP", "resolve_placements", "shard_params", "placements_of", "describe_placement"]
+__all__ = ["ShardingTable", "LogicalAxis", "UNEVEN_AXES", "AxisMap", "DEFAULT_AXIS_MAP", "resolve_placements", "shard_params", "placements_of", "describe_placement"]
 
-ShardingTable = Sequence[tuple[str, tuple[str | None, ...]]]
+LogicalAxis = "str | tuple[str, int] | None"
+ShardingTable = Sequence[tuple[str, tuple[LogicalAxis, ...]]]
 
 AxisMap = Mapping[str, "str | tuple[str, ...] | None"]
 
@@ -46,6 +55,9 @@ DEFAULT_AXIS_MAP: AxisMap = {
 """Logical axis -> mesh axis or axes (None = never sharded). ``embed`` (the hidden dim) is the
 dim FSDP splits; ``expert`` the stacked-expert dim EP splits."""
 
+UNEVEN_AXES = frozenset({"vocab"})
+"""Logical axes whose dim may split unevenly (``torch.chunk`` sizes; see the module docstring)."""
+
 
 def resolve_placements(
     path: str,
@@ -58,7 +70,8 @@ def resolve_placements(
 
     Raises:
         ValueError: no table row matches ``path``; the row's axes do not fit ``shape``; an
-            unknown logical axis; a dim that does not divide its mesh axis.
+            unknown logical axis; a dim (or its number of ``unit`` blocks) that does not divide
+            its mesh axes; an uneven axis that would leave a rank without rows.
     """
     hit = first_match(path, table)
     if hit is None:
@@ -71,6 +84,11 @@ def resolve_placements(
     for dim, logical in enumerate(axes):
         if logical is None:
             continue
+        unit = 1
+        if isinstance(logical, tuple):
+            logical, unit = logical
+            if shape[dim] % unit:
+                raise ValueError(f"param {path!r}: dim {dim} of size {shape[dim]} is not a whole number of {logical} of {unit}")
         if logical not in axis_map:
             raise ValueError(f"param {path!r}: logical axis {logical!r} (row {pattern!r}) is not in the axis map {sorted(axis_map)}")
         mapped = axis_map[logical]
@@ -80,11 +98,15 @@ def resolve_placements(
         if not use:
             continue
         total = math.prod(mesh.size(i) for i in use)
-        if shape[dim] % total:
-            sizes = " x ".join(f"{names[i]} {mesh.size(i)}" for i in use)
-            raise ValueError(
-                f"param {path!r}: dim {dim} of size {shape[dim]} ({logical}) does not divide mesh axes {sizes} = {total}"
-            )
+        sizes = " x ".join(f"{names[i]} {mesh.size(i)}" for i in use)
+        blocks = shape[dim] // unit
+        if logical in UNEVEN_AXES:
+            if (total - 1) * -(-blocks // total) >= blocks:
+                raise ValueError(f"param {path!r}: dim {dim} of size {shape[dim]} ({logical}) split over mesh axes {sizes} = {total} "
+                                 f"in parts of {-(-blocks // total)} leaves the last rank no rows")
+        elif blocks % total:
+            what = f"{blocks} {logical} of {unit}" if unit > 1 else f"size {shape[dim]} ({logical})"
+            raise ValueError(f"param {path!r}: dim {dim} of {what} does not divide mesh axes {sizes} = {total}")
         for i in use:
             placements[i] = Shard(dim)
     return tuple(placements)
