@@ -4,8 +4,9 @@ pieces, so a checkpoint saved on one mesh loads onto another.
 
 A DTensor's local shard is the block left after splitting its global shape, mesh axis by mesh
 axis (outermost first), along the dim each ``Shard(d)`` names (DTensor's own rule; two axes
-sharding the same dim nest: the inner axis splits the outer axis's block). Shards always
-divide evenly here (the sharding rules refuse dims that do not divide). ``Shard`` on a size-1
+sharding the same dim nest: the inner axis splits the outer axis's block). A split that does not
+divide evenly follows ``torch.chunk`` (parts of ``ceil(n / size)``, the last ranks shorter: a
+vocabulary split over tp). ``Shard`` on a size-1
 axis and ``Replicate`` leave the block whole; of ranks holding the same block, only the one at
 coordinate 0 on every such axis writes it, so each element is stored once.
 
@@ -33,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from mff.parallel.tp import chunk_range
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
@@ -95,12 +97,12 @@ def shard_region(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequenc
     holds of a tensor of global ``shape`` with ``placements`` (one per mesh axis).
 
     Follows DTensor's sharding (``torch.distributed.tensor``: each mesh axis in order splits
-    the current block of dim ``d`` into ``mesh_shape[axis]`` equal parts; rank ``coord[axis]``
-    keeps part ``coord[axis]``).
+    the current block of dim ``d`` into ``mesh_shape[axis]`` parts as ``torch.chunk`` does;
+    rank ``coord[axis]`` keeps part ``coord[axis]``, which may be shorter or empty).
 
     Raises:
         ValueError: lengths that differ (``mesh_shape``, ``coord``, ``placements``), a coordinate
-            outside the mesh, a Shard dim outside ``shape``, or a block that does not divide.
+            outside the mesh or a Shard dim outside ``shape``.
     """
     if not len(mesh_shape) == len(coord) == len(placements):
         raise ValueError(f"mesh shape {tuple(mesh_shape)}, coordinate {tuple(coord)} and placements {tuple(placements)} differ in length")
@@ -115,10 +117,9 @@ def shard_region(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequenc
         d = p.dim
         if not 0 <= d < len(shape):
             raise ValueError(f"Shard({d}) on mesh axis {axis} of a {len(shape)}-d tensor")
-        if length[d] % size:
-            raise ValueError(f"dim {d}: a block of {length[d]} does not split evenly over mesh axis {axis} of size {size}")
-        length[d] //= size
-        offset[d] += c * length[d]
+        start, stop = chunk_range(length[d], c, size)
+        offset[d] += start
+        length[d] = stop - start
     return offset, length
 
 
