@@ -131,7 +131,7 @@ def test_legacy_deepseek3_yaml_maps_and_runs_on_mindrecord(tmp_path):
     run_yaml = _write_yaml(tmp_path / "legacy.yaml", tree)
     # pipeline_stage 2 maps to --parallel.pp 2, which mff's own validation refuses
     r = run_cli(["--from-mindformers-yaml", run_yaml, "--threads", "1"], tmp_path / "cache", timeout=600)
-    assert r.returncode == 2 and "--parallel.pp 2: not supported yet" in r.stderr
+    assert r.returncode == 2 and "--parallel.pp 2: pipeline parallelism is not supported yet" in r.stderr
     # flags given after the YAML win
     r = run_cli(["--from-mindformers-yaml", run_yaml, "--parallel.pp", "1", "--parallel.dp-shard", "1", "--threads", "1", "--eval-every", "0"],
                 tmp_path / "cache", timeout=600)
@@ -154,6 +154,23 @@ def test_megatron_field_names_and_qwen3_moe(tmp_path):
     assert (m.num_hidden_layers, m.intermediate_size, m.num_key_value_heads, m.head_dim, m.num_experts, m.num_experts_per_tok) == (3, 96, 2, 16, 6, 3)
     assert (m.moe_intermediate_size, m.router_aux_loss_coef, m.tie_word_embeddings, m.rope_parameters.rope_theta) == (24, 0.01, True, 5e5)
     assert (m.rms_norm_eps, m.vocab_size, cfg.seq_len, cfg.steps, cfg.optim.schedule, cfg.optim.min_lr_ratio) == (1e-5, 300, 16, 10, "linear", 0.0)
+
+
+def test_expert_parallel_is_taken_out_of_data_parallel(tmp_path):
+    """MindFormers runs data_parallel x model_parallel x pipeline_stage devices, expert_parallel
+    carved out of data_parallel; mff's ep is a mesh axis of its own, so dp-shard = dp / ep."""
+    base = {"trainer": {"model_name": "qwen3_moe"}, "model": {"model_config": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}},
+            "runner_config": {"batch_size": 1}}
+    tr = translate(_write_yaml(tmp_path / "a.yaml", {**base, "parallel_config": {"data_parallel": 4, "expert_parallel": 2, "model_parallel": 2}}))
+    p = _parse(tr.flags).parallel
+    assert (p.dp_replicate, p.dp_shard, p.ep, p.tp) == (1, 2, 2, 2)  # 8 processes, as MindFormers' 4 x 2 devices
+    assert _parse(tr.flags).batch_size == 4
+    tr = translate(_write_yaml(tmp_path / "b.yaml", {**base, "parallel_config": {"data_parallel": 4, "expert_parallel": 4},
+                                                      "parallel": {"enable_parallel_optimizer": False}}))
+    p = _parse(tr.flags).parallel
+    assert (p.dp_replicate, p.dp_shard, p.ep) == (1, 1, 4)
+    with pytest.raises(ValueError, match=r"parallel_config.expert_parallel.*3 does not divide parallel_config.data_parallel 4"):
+        translate(_write_yaml(tmp_path / "c.yaml", {**base, "parallel_config": {"data_parallel": 4, "expert_parallel": 3}}))
 
 
 def test_bad_yaml_is_refused_clearly(tmp_path, capsys):

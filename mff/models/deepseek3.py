@@ -314,16 +314,17 @@ def sharding_table(cfg: DeepseekV3Config) -> list[tuple[str, tuple]]:
     dims split in whole heads (tensor parallelism: q_b/q and kv_b column-parallel, o
     row-parallel; the low-rank q_a and kv_a projections, their norms and eh_proj stay whole
     over tp), ``mlp`` the dense and shared-expert width (gate/up column, down row), ``vocab``
-    the vocabulary. Routed experts are not tensor-parallel (their ``mlp`` dims are None)."""
+    the vocabulary, ``lora`` MLA's low-rank dims (q_lora_rank, kv_lora_rank), which FSDP splits
+    like ``embed``. Routed experts are not tensor-parallel (their ``mlp`` dims are None)."""
     qk = ("heads", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     return [
         ("model.embed_tokens.weight", ("vocab", "embed")),
         ("lm_head.weight", ("vocab", "embed")),
         ("**.q_proj.weight", (qk, "embed")),
         ("**.q_a_proj.weight", (None, "embed")),
-        ("**.q_b_proj.weight", (qk, None)),
+        ("**.q_b_proj.weight", (qk, "lora")),
         ("**.kv_a_proj_with_mqa.weight", (None, "embed")),
-        ("**.kv_b_proj.weight", (("heads", cfg.qk_nope_head_dim + cfg.v_head_dim), None)),
+        ("**.kv_b_proj.weight", (("heads", cfg.qk_nope_head_dim + cfg.v_head_dim), "lora")),
         ("**.o_proj.weight", ("embed", ("heads", cfg.v_head_dim))),
         ("**.o_proj.bias", ("embed",)),
         ("**.bias", (None,)),
@@ -335,8 +336,8 @@ def sharding_table(cfg: DeepseekV3Config) -> list[tuple[str, tuple]]:
         ("**.up_proj.weight", ("mlp", "embed")),
         ("**.down_proj.weight", ("embed", "mlp")),
         ("**.eh_proj.weight", ("embed", None)),
-        ("**.q_a_layernorm.weight", (None,)),
-        ("**.kv_a_layernorm.weight", (None,)),
+        ("**.q_a_layernorm.weight", ("lora",)),
+        ("**.kv_a_layernorm.weight", ("lora",)),
         ("**.*norm.weight", ("embed",)),
     ]
 

@@ -47,13 +47,14 @@ AxisMap = Mapping[str, "str | tuple[str, ...] | None"]
 
 DEFAULT_AXIS_MAP: AxisMap = {
     "embed": ("dp_shard", "ep"),
+    "lora": ("dp_shard", "ep"),
     "vocab": "tp",
     "heads": "tp",
     "mlp": "tp",
     "expert": "ep",
 }
 """Logical axis -> mesh axis or axes (None = never sharded). ``embed`` (the hidden dim) is the
-dim FSDP splits; ``expert`` the stacked-expert dim EP splits."""
+dim FSDP splits (and ``lora``, MLA's low-rank dims); ``expert`` the stacked-expert dim EP splits."""
 
 UNEVEN_AXES = frozenset({"vocab"})
 """Logical axes whose dim may split unevenly (``torch.chunk`` sizes; see the module docstring)."""

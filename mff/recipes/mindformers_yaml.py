@@ -19,8 +19,9 @@ What maps where:
 - Batch: MindFormers' ``batch_size`` is per data-parallel rank and micro-batch, so ``--batch-size``
   (global) = batch_size x data_parallel x micro_batch_num x gradient_accumulation_steps and
   ``--grad-accum`` = micro_batch_num x gradient_accumulation_steps.
-- ``parallel_config`` -> ``--parallel.*`` (data_parallel to dp-shard, or dp-replicate without the
-  parallel optimizer; model_parallel -> tp, expert_parallel -> ep, pipeline_stage -> pp,
+- ``parallel_config`` -> ``--parallel.*`` (data_parallel / expert_parallel to dp-shard, or
+  dp-replicate without the parallel optimizer, since MindFormers takes the expert-parallel ranks
+  out of the data-parallel ones; model_parallel -> tp, expert_parallel -> ep, pipeline_stage -> pp,
   context_parallel -> cp). mff's own validation rejects what it does not support.
 - ``optimizer`` (AdamW family, Muon) -> ``--optim.*``; ``runner_wrapper`` clipping ->
   ``--optim.max-grad-norm``; ``lr_schedule`` (ConstantWarmUpLR, CosineWithWarmUpLR,
@@ -424,11 +425,18 @@ def translate(path: str) -> Translation:
     if bs is not None:
         global_batch = _int(t, bpath, bs) * dp * mbn * gas
         flags += ["--batch-size", str(global_batch), "--grad-accum", str(mbn * gas)]
+    # MindFormers carves expert_parallel out of data_parallel (devices = dp x mp x pp); in mff ep is
+    # its own mesh axis whose ranks also read different tokens, so dp-shard (or dp-replicate) = dp / ep
+    ep_raw = t.get("parallel_config.expert_parallel", use=False)
+    ep = _int(t, "parallel_config.expert_parallel", ep_raw) if ep_raw is not None else 1
+    if dp % ep:
+        raise t.error("parallel_config.expert_parallel", f"{ep} does not divide parallel_config.data_parallel {dp} "
+                      "(MindFormers takes the expert-parallel ranks out of the data-parallel ones)")
     if t.get("parallel_config.data_parallel", use=False) is not None:
         if t.get("parallel.enable_parallel_optimizer", True) is False:
-            flags += ["--parallel.dp-replicate", str(dp), "--parallel.dp-shard", "1"]
+            flags += ["--parallel.dp-replicate", str(dp // ep), "--parallel.dp-shard", "1"]
         else:
-            flags += ["--parallel.dp-shard", str(dp)]
+            flags += ["--parallel.dp-shard", str(dp // ep)]
     for key, name in (("model_parallel", "tp"), ("expert_parallel", "ep"), ("pipeline_stage", "pp"), ("context_parallel", "cp")):
         v = t.get(f"parallel_config.{key}")
         if v is not None:
