@@ -34,9 +34,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from mff.parallel.tp import chunk_range
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from mff.parallel.tp import chunk_range
 
 __all__ = [
     "encode_placements",
