@@ -456,3 +456,17 @@ def test_convert_bad_input(tmp_path, capsys):
     rc, err = _run(capsys, "--src", src, "--dst", tmp_path / "a", "--to", "hf", "--config", DATA / "hf_config.json", "--model", "glm4")
     assert rc == 2 and "glm4" in err
     assert not (tmp_path / "a").exists()
+
+
+def test_convert_with_the_mindformers_config_loads_in_transformers(tmp_path, capsys):
+    """MindFormers' config carries the full tokenizer's pad id (151643) for a 128-token vocabulary;
+    it is dropped with a notice, so transformers can build the embedding of the HF output."""
+    transformers = pytest.importorskip("transformers")
+    rc, err = _run(capsys, "--src", DATA / "mf_model.ckpt", "--dst", tmp_path / "hf", "--to", "hf", "--config", DATA / "mf_config.json")
+    assert rc == 0, err
+    assert "pad_token_id 151643 is outside vocab_size 128" in err
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = torch.from_numpy(np.load(DATA / "input_ids.npy")).long()
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.testing.assert_close(logits, torch.from_numpy(np.load(DATA / "logits.npy")), atol=1e-4, rtol=0)

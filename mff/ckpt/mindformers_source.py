@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,12 @@ def read_model_config(path: str | os.PathLike, family: str | Family | None = Non
                 hf[key] = hf[a]
     if fam.from_hf_config is None:
         raise ValueError(f"model {fam.name} cannot read HF-style configs")
+    vocab, pad = hf.get("vocab_size"), hf.get("pad_token_id")
+    if isinstance(vocab, int) and isinstance(pad, int) and not 0 <= pad < vocab:
+        # MindFormers configs carry the full tokenizer's pad id even for a smaller vocabulary;
+        # transformers refuses an embedding padding_idx outside the vocabulary
+        print(f"notice: {p}: pad_token_id {pad} is outside vocab_size {vocab}; dropped", file=sys.stderr)
+        hf.pop("pad_token_id")
     cfg = fam.from_hf_config(hf)
     cfg.validate()
     return fam, cfg, d
