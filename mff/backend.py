@@ -157,10 +157,10 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> DistInfo:
     ``init_device_mesh``). Collectives time out after ``timeout_s`` seconds.
 
     Raises:
-        ValueError: ``timeout_s`` not a finite number > 0.
+        ValueError: ``timeout_s`` not a finite number >= 1 (shorter ones break the rendezvous itself).
     """
-    if not (timeout_s > 0 and timeout_s != float("inf")):
-        raise ValueError(f"collective timeout {timeout_s} s must be a finite number > 0 (--parallel.timeout-s)")
+    if not (timeout_s >= 1 and timeout_s != float("inf")):
+        raise ValueError(f"collective timeout {timeout_s} s must be a finite number >= 1 second (--parallel.timeout-s)")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

@@ -455,6 +455,10 @@ def test_convert_bad_input(tmp_path, capsys):
     assert rc == 2 and "decoder.layers.0.self_attention.linear_qkv.weight" in err and "(128, 64)" in err and "(96, 64)" in err
     rc, err = _run(capsys, "--src", src, "--dst", tmp_path / "a", "--to", "hf", "--config", DATA / "hf_config.json", "--model", "glm4")
     assert rc == 2 and "glm4" in err
+    enc = tmp_path / "enc.ckpt"
+    enc.write_bytes((DATA.parent / "mindspore" / "dtypes_encrypted_aesgcm.ckpt").read_bytes())
+    rc, err = _run(capsys, "--src", enc, "--dst", tmp_path / "a", "--to", "hf", "--config", DATA / "hf_config.json")
+    assert rc == 2 and "is encrypted" in err
     assert not (tmp_path / "a").exists()
 
 

@@ -192,6 +192,13 @@ def test_bad_yaml_is_refused_clearly(tmp_path, capsys):
         edit(tree)
         return _write_yaml(tmp_path / f"{name}.yaml", tree)
 
+    with pytest.raises(ValueError, match="no model.model_config mapping and no pretrained_model_dir"):
+        translate(variant("nomodel", lambda tr: tr.update(model=None)))
+    with pytest.raises(ValueError, match=r"lr_schedule.type: is missing; mff maps ConstantWarmUpLR"):
+        translate(variant("notype", lambda tr: tr["lr_schedule"].pop("type")))
+    translate(variant("nodata", lambda tr: [tr.pop("train_dataset"), tr.pop("train_dataset_task", None)]))
+    assert "has no train_dataset; mff's default corpus is used unless --data.path is given" in capsys.readouterr().err
+
     def unknown(tr):
         tr["trainer"]["model_name"] = "mixtral"
         tr["model"]["model_config"]["model_type"] = "mixtral"

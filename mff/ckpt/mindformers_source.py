@@ -67,14 +67,15 @@ class MindFormersSource:
 def mindformers_kind(path: str | os.PathLike) -> str | None:
     """``"ckpt"`` or ``"safetensors"`` when ``path`` is a MindFormers checkpoint, else None.
 
-    Recognised: a MindSpore ``.ckpt`` file; a safetensors file with ``{"format": "ms"}``
+    Recognised: a MindSpore ``.ckpt`` file (any file named ``*.ckpt``, so that reading it reports
+    what is wrong with one that does not parse: encrypted, empty, truncated); a safetensors file with ``{"format": "ms"}``
     metadata; a folder without HF weights (``model.safetensors`` / its index) that holds
     ``param_name_map.json``, an ``ms-model*.safetensors.index.json``, a single ``{"format": "ms"}``
     safetensors file, or a single ``.ckpt`` file.
     """
     p = Path(path)
     if p.is_file():
-        if is_mindspore_ckpt(p):
+        if p.suffix == ".ckpt" or is_mindspore_ckpt(p):
             return "ckpt"
         return "safetensors" if p.suffix == ".safetensors" and is_ms_safetensors(p) else None
     if not p.is_dir() or (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file():

@@ -59,7 +59,7 @@ def atomic_dir(final: str) -> Iterator[str]:
 
 def save_npy(folder: str, name: str, array: np.ndarray) -> None:
     """Write `array` as ``folder/name`` (a .npy file) through a temp name and `os.replace`."""
-    tmp = os.path.join(folder, f".{name}.tmp")
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")  # per process: ranks may write the same entry at once
     with open(tmp, "wb") as fh:
         np.save(fh, array, allow_pickle=False)
     os.replace(tmp, os.path.join(folder, name))
@@ -67,7 +67,7 @@ def save_npy(folder: str, name: str, array: np.ndarray) -> None:
 
 def save_json(folder: str, name: str, obj: Any) -> None:
     """Write `obj` as indented JSON to ``folder/name`` through a temp name and `os.replace`."""
-    tmp = os.path.join(folder, f".{name}.tmp")
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(obj, fh, indent=1, sort_keys=True)
     os.replace(tmp, os.path.join(folder, name))

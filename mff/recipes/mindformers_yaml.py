@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -371,6 +372,10 @@ def translate(path: str) -> Translation:
     """
     t = _load(path)
     flags: list[str] = []
+    if not isinstance(t.get("model.model_config", use=False), dict) and not t.get("pretrained_model_dir", use=False):
+        raise ValueError(f"{t.where}: no model.model_config mapping and no pretrained_model_dir; the YAML must describe the model")
+    if not isinstance(t.get("train_dataset", use=False), dict) and not isinstance(t.get("train_dataset_task", use=False), dict):
+        print(f"notice: {t.where} has no train_dataset; mff's default corpus is used unless --data.path is given", file=sys.stderr)
     hf_base = _pretrained_config(t)
     family = _family(t, hf_base)
     fam = FAMILIES[family]
@@ -481,6 +486,8 @@ def translate(path: str) -> Translation:
     elif t.get("runner_config.epochs", use=False) is not None:
         t.skip("runner_config.epochs", "mff counts --steps; set lr_schedule.total_steps")
     sched = t.get(f"{sched_root}.type")
+    if sched is None and isinstance(t.get(sched_root, use=False), dict):
+        raise t.error(f"{sched_root}.type", f"is missing; mff maps {', '.join(_SCHEDULES)}")
     if sched is not None:
         if sched not in _SCHEDULES:
             raise t.error(f"{sched_root}.type", f"{sched!r} is not supported; mff maps {', '.join(_SCHEDULES)}")
