@@ -425,6 +425,7 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    owns_group = not dist.is_initialized()  # research code or a test may call main() inside its own group
     try:
         if any(a == MF_YAML_FLAG or a.startswith(MF_YAML_FLAG + "=") for a in argv):
             argv = expand_mindformers_argv(argv)
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # tear the process group down before the interpreter exits: leaving gloo's threads to
         # static destruction can abort a rank ("terminate called without an active exception")
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
