@@ -7,7 +7,6 @@ One torchrun launch per layout runs every family the layout must cover
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from tests.cli_util import ROOT, cli_env
+from tests.dist_util import free_port
 
 WORKER = str(ROOT / "tests" / "layout_worker.py")
 GLOBAL_BATCH = 4  # tests/layout_worker.py
@@ -23,18 +23,13 @@ DENSE = ("qwen3", "glm4")
 ALL = MOE + DENSE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _launch(out, families, nproc: int, flags: list[str]) -> dict:
     env = cli_env(out.parent / "cache")
     if nproc == 1:
         cmd = [sys.executable, WORKER]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={_free_port()}", WORKER]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}", WORKER]
     r = subprocess.run([*cmd, str(out), "--families", ",".join(families), *flags], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]

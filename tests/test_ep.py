@@ -5,7 +5,6 @@ equal a single-process float64 loop over all ranks' tokens."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from mff.parallel.ep import plan_receive, plan_send
 from tests import ep_worker
 from tests.cli_util import ROOT, cli_env
+from tests.dist_util import free_port
 
 
 def _slots_for(idx_per_rank: list[torch.Tensor], experts: range) -> list[tuple[int, int, int, int]]:
@@ -96,15 +96,10 @@ def _reference(case: str, P: int):
     return ys, grads[:P], grads[P], grads[P + 1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_ep2_dispatch_is_real(tmp_path):
     P = 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}", f"--master_port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}", f"--master_port={free_port()}",
            str(ROOT / "tests" / "ep_worker.py"), str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]

@@ -6,7 +6,6 @@ against their unsplit computation (the whole-model proof is tests/test_dist_layo
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from mff.nn.loss import IGNORE_INDEX, _LinearCrossEntropy, linear_cross_entropy_
 from mff.parallel import resolve_placements
 from mff.parallel import tp as tpmod
 from mff.parallel.tp import chunk_range, copy_to_tp, gather_from_tp, reduce_from_tp, tp_shard
+from tests.dist_util import free_port
 from tests.test_sharding import FakeMesh
 
 TP2 = FakeMesh(1, 1, 1, 2)  # dp_replicate, dp_shard, ep, tp
@@ -108,11 +108,6 @@ def test_replicated_and_plain_weights_take_the_plain_path(dist1):
 
 
 # ---- two processes (gloo): the split layers equal their unsplit computation -------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _two_rank_checks(rank: int, port: int) -> None:
@@ -248,4 +243,4 @@ def _two_rank_checks(rank: int, port: int) -> None:
 
 
 def test_split_layers_equal_the_unsplit_ones_on_two_ranks():
-    mp.spawn(_two_rank_checks, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_two_rank_checks, args=(free_port(),), nprocs=2, join=True)
