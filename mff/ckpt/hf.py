@@ -52,6 +52,22 @@ _EXPERT_RE = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<which>gate_up_proj|
 _IGNORED = (re.compile(r".*\.rotary_emb\.inv_freq$"),)
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """The JSON object (a dict) stored in the file ``path``.
+
+    Raises:
+        ValueError: the file is not valid JSON, or holds something other than an object.
+    """
+    path = Path(path)
+    try:
+        d = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(d).__name__}")
+    return d
+
+
 def read_hf_config(folder: str | os.PathLike) -> dict:
     """``config.json`` of an HF model folder as a dict.
 
@@ -65,12 +81,7 @@ def read_hf_config(folder: str | os.PathLike) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no config.json; an HF model folder needs config.json and safetensors weights")
-    try:
-        d = json.loads(path.read_text())
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} must hold a JSON object, got a {type(d).__name__}")
+    d = read_json_object(path)
     if not d.get("model_type"):
         raise ValueError(f"{path} has no model_type; cannot tell which architecture it is")
     return d

@@ -11,7 +11,6 @@ holds HF config keys plus MindFormers extras such as ``use_contiguous_weight_lay
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Container, Iterator, Mapping
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mff.ckpt.hf import read_json_object
 from mff.ckpt.mindspore import ckpt_names, is_mindspore_ckpt, iter_ckpt, read_ckpt
 from mff.ckpt.mindspore_safetensors import PARAM_NAME_MAP, is_ms_safetensors, open_mindformers_safetensors
 from mff.ckpt.safetensors_io import SafetensorsFolder
@@ -141,13 +141,7 @@ def _load_config_file(path: Path) -> dict:
         if not isinstance(mc, dict):
             raise ValueError(f"{path} has no model: model_config: mapping (a MindFormers YAML keeps the model config there)")
         return dict(mc)
-    try:
-        d = json.loads(path.read_text())
-    except (ValueError, RecursionError) as e:
-        raise ValueError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return d
+    return read_json_object(path)
 
 
 def read_model_config(path: str | os.PathLike, family: str | Family | None = None) -> tuple[Family, Any, dict]:

@@ -268,6 +268,15 @@ def _refuse_map(s: _Stream, offset: int, tag: str):
                    "mff reads only dense tensors")
 
 
+def _string_at(buf, pos: int) -> tuple[str, int]:
+    """(text, next position) of the length-prefixed UTF-8 string at ``buf[pos:]``; IndexError
+    if it runs past the end, UnicodeDecodeError if it is not UTF-8."""
+    n, pos = _varint_at(buf, pos)
+    if pos + n > len(buf):
+        raise IndexError("string runs past the end of the buffer")
+    return bytes(buf[pos:pos + n]).decode("utf-8"), pos + n
+
+
 def _parse_head(s: _Stream, offset: int, length: int, head: bytes) -> _Record | None:
     """Hand walk of a big record whose first bytes are ``head``: a record in MindSpore's layout
     (tag, then the tensor with dims, type and content last, content running to the record end).
@@ -277,11 +286,7 @@ def _parse_head(s: _Stream, offset: int, length: int, head: bytes) -> _Record | 
         while True:
             key, pos = _varint_at(head, pos)
             if key == 0x0A and tag is None:
-                n, pos = _varint_at(head, pos)
-                if pos + n > len(head):
-                    return None
-                tag = bytes(head[pos:pos + n]).decode("utf-8")
-                pos += n
+                tag, pos = _string_at(head, pos)
             elif key == 0x1A and tag is not None:
                 _refuse_map(s, offset, tag)
             elif key == 0x12 and tag is not None:
@@ -304,11 +309,7 @@ def _parse_head(s: _Stream, offset: int, length: int, head: bytes) -> _Record | 
                     d, pos = _varint_at(head, pos)
                     dims.append(d - (1 << 64) if d >= 1 << 63 else d)
             elif key == 0x12:
-                n, pos = _varint_at(head, pos)
-                if pos + n > len(head):
-                    return None
-                ttype = bytes(head[pos:pos + n]).decode("utf-8")
-                pos += n
+                ttype, pos = _string_at(head, pos)
             elif key == 0x1A and ttype is not None:
                 n, pos = _varint_at(head, pos)
                 if pos + n != end:
