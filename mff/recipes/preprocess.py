@@ -394,9 +394,12 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessResult
     counts = {"empty": 0, "non_utf8": 0}
     documents = tokens = text_bytes = 0
     pool = None
-    if workers > 1:  # started before any thread of ours (the bar's monitor) exists: safe to fork
+    if workers > 1:
+        # never "fork": the caller may have threads (torch's, tqdm's monitor, a test runner's) whose
+        # locks a forked child inherits held, and a worker then hangs; the forkserver (a fresh
+        # single-threaded process, Python 3.14's default) or spawn start clean
         methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok, eod, dtype.name, True))
     else:
         _init_worker(tok, eod, dtype.name, False)
