@@ -254,7 +254,7 @@ def test_pretrain_from_the_fixture_trains_and_resumes(tmp_path):
     args = _cli_args(str(tmp_path / "mr" / "tiny_pretrain.mindrecord"))
     full = run_cli(args + ["--ckpt-dir", str(tmp_path / "a"), "--metrics-file", str(tmp_path / "a.jsonl")], tmp_path / "cache", timeout=600)
     assert full.returncode == 0, full.stderr[-3000:]
-    assert "MindRecord data" in full.stdout and "5 documents, 45 tokens" in full.stdout and "10 train samples" in full.stdout
+    assert "MindRecord data" in full.stdout and "5 rows, 45 tokens" in full.stdout and "10 train samples" in full.stdout
     a = _records(tmp_path / "a.jsonl")
     assert [x[0] for x in a] == [1, 2, 3] and all(np.isfinite(x[1]) for x in a) and a[2][1] < a[0][1]
     # the same data named by its folder: stop after step 1, then rerun to the end

@@ -37,7 +37,7 @@ CASES = [
     (["--seq-len", "100000"], "--seq-len 100000 must be in [1, 4096]"),
     (["--batch-size", "5", "--grad-accum", "2"], "--batch-size 5 must be divisible by data-parallel ranks 1 x --grad-accum 2 = 2"),
     (["--model.hidden-size", "128"], "hidden_size: checkpoint 64, this run 128"),
-    (["--model.vocab-size", "256"], "tokens but the model's vocab_size is 256; raise --model.vocab-size"),
+    (["--model.vocab-size", "256"], "vocab_size: checkpoint 512, this run 256"),
     (["--model.n-routed-experts", "6", "--model.n-group", "4"], "error: model config: n_routed_experts=6 must divide into n_group=4 groups"),
     (["--model.n-shared-experts", "-1"], "n_shared_experts=-1 must be >= 0"),
     (["--model.vocab-size", "100000000000"], "GiB per device"),
@@ -60,6 +60,21 @@ def test_bad_flags_leave_checkpoint_intact(base, extra, needle):
     args = _args(corpus, ckpt)
     # later flags win in tyro; --model/--size are read first
     _fails(run_cli(args + extra, cache, timeout=300), needle)
+    assert tree_digest(ckpt) == before
+
+
+def test_vocabulary_smaller_than_the_tokenizer(base, tmp_path):
+    root, corpus, cache, ckpt = base
+    r = run_cli(_args(corpus, tmp_path / "fresh", "--model.vocab-size", "256"), cache, timeout=300)
+    _fails(r, "tokens but the model's vocab_size is 256; raise --model.vocab-size")
+
+
+def test_checkpoint_of_another_model_fails_before_the_data_is_read(base):
+    root, corpus, cache, ckpt = base
+    before = tree_digest(ckpt)
+    r = run_cli(_args(corpus, ckpt, "--model", "telechat3"), cache, timeout=300)
+    _fails(r, "the checkpoint holds a 'deepseek3' model, this run builds 'telechat3'; use another --ckpt-dir")
+    assert "data:" not in r.stdout + r.stderr
     assert tree_digest(ckpt) == before
 
 

@@ -39,7 +39,7 @@ def test_vocab_splits_unevenly_heads_only_whole():
     with pytest.raises(ValueError, match=r"'lm_head.weight': dim 0 of size 9 \(vocab\) .* leaves the last rank no rows"):
         resolve_placements("lm_head.weight", (9, 8), table, FakeMesh(1, 1, 1, 4))
     # 2 KV heads of 32 rows: 64 rows divide tp 4, but the heads do not
-    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight': dim 0 of 2 heads of 32 does not divide mesh axes tp 4"):
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight': dim 0 of size 64 holds 2 heads of 32 rows; 2 heads do not split evenly over mesh axes tp 4 = 4"):
         resolve_placements("model.layers.0.self_attn.k_proj.weight", (64, 256), table, FakeMesh(1, 1, 1, 4))
     with pytest.raises(ValueError, match="not a whole number of heads of 32"):
         resolve_placements("model.layers.0.self_attn.q_proj.weight", (48, 256), table, TP2)
@@ -49,7 +49,7 @@ def test_model_init_refuses_kv_heads_that_do_not_divide_tp():
     model = mff.build("qwen3", size="tiny")  # 4 KV heads
     shapes = model.param_shapes()
     path = "model.layers.0.self_attn.k_proj.weight"
-    with pytest.raises(ValueError, match=f"'{path}': dim 0 of 4 heads of 32 does not divide mesh axes tp 8"):
+    with pytest.raises(ValueError, match=f"'{path}': dim 0 of size 128 holds 4 heads of 32 rows; 4 heads do not split evenly over mesh axes tp 8 = 8"):
         resolve_placements(path, shapes[path], model.sharding_table, FakeMesh(1, 1, 1, 8))
 
 

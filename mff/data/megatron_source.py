@@ -158,7 +158,8 @@ def build_megatron_data(cfg: DataConfig, blend: Blend, seq_len: int, seed: int, 
              "train_samples": len(train), "val_samples": len(val) if val is not None else 0}
     if not quiet:
         kind = "MindRecord" if all(is_mindrecord(p) for p in blend.prefixes) else "Megatron indexed"
-        print(f"data: {kind} data {' '.join(blend.prefixes)}: {stats['documents']:,} documents, {stats['tokens']:,} tokens; "
+        unit = "rows" if kind == "MindRecord" else "documents"
+        print(f"data: {kind} data {' '.join(blend.prefixes)}: {stats['documents']:,} {unit}, {stats['tokens']:,} tokens; "
               f"split {cfg.split}: {stats['train_samples']:,} train samples, {stats['val_samples']:,} valid samples of {seq_len + 1} tokens",
               flush=True)
     vocab = tokenizer.get_vocab_size() if tokenizer is not None else None

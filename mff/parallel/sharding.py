@@ -106,8 +106,10 @@ def resolve_placements(
                 raise ValueError(f"param {path!r}: dim {dim} of size {shape[dim]} ({logical}) split over mesh axes {sizes} = {total} "
                                  f"in parts of {-(-blocks // total)} leaves the last rank no rows")
         elif blocks % total:
-            what = f"{blocks} {logical} of {unit}" if unit > 1 else f"size {shape[dim]} ({logical})"
-            raise ValueError(f"param {path!r}: dim {dim} of {what} does not divide mesh axes {sizes} = {total}")
+            if unit > 1:
+                raise ValueError(f"param {path!r}: dim {dim} of size {shape[dim]} holds {blocks} {logical} of {unit} rows; "
+                                 f"{blocks} {logical} do not split evenly over mesh axes {sizes} = {total}")
+            raise ValueError(f"param {path!r}: dim {dim} of size {shape[dim]} ({logical}) does not divide mesh axes {sizes} = {total}")
         for i in use:
             placements[i] = Shard(dim)
     return tuple(placements)

@@ -42,7 +42,8 @@ def fail(err: BaseException, code: int) -> int:
         msg = f"{msg}: {err.filename}"
     if dist.is_initialized() and dist.get_world_size() > 1 and not msg.startswith(f"rank {dist.get_rank()}:"):
         msg = f"rank {dist.get_rank()}: {msg}"
-    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: {msg}\n")  # one write: ranks sharing an unbuffered stderr do not interleave mid-line
+    sys.stderr.flush()
     return code
 
 

@@ -185,11 +185,17 @@ def _memory_check(cfg: PretrainConfig, model, device: torch.device, shard: int, 
     return mem
 
 
-def _resume(cfg: PretrainConfig, family: str, model, params, opt_state, loader):
-    """Load the newest checkpoint of ``--ckpt-dir`` if there is one; returns (params, state, step, tokens)."""
+def _resumable(cfg: PretrainConfig, family: str, model):
+    """The newest checkpoint folder of ``--ckpt-dir`` (None if there is none), once its model,
+    sequence length, precision and optimizer are checked against this run; called before the
+    data is read so that a wrong ``--ckpt-dir`` fails at once.
+
+    Raises:
+        CheckpointError: the checkpoint was made by a run this one cannot continue.
+    """
     last = ckpt.latest_step_dir(cfg.ckpt_dir)
     if last is None:
-        return params, opt_state, 0, 0
+        return None
     meta = ckpt.read_meta(last, required=("tokens_seen", "data", "rng", "family", "config", "run"))
     check_resume_config(meta, family, model.config)
     saved_len = meta["run"].get("seq_len")
@@ -205,10 +211,22 @@ def _resume(cfg: PretrainConfig, family: str, model, params, opt_state, loader):
     if saved_optim != cfg.optim.name:
         raise ckpt.CheckpointError(f"{last} holds {saved_optim} optimizer state; this run has --optim.name {cfg.optim.name} "
                                    "(use the same optimizer to resume, or another --ckpt-dir with --init-from)")
+    return last
+
+
+def _resume(cfg: PretrainConfig, last, params, opt_state, loader):
+    """Load the checkpoint folder ``last`` (from ``_resumable``; None: start at step 0);
+    returns (params, state, step, tokens)."""
+    if last is None:
+        return params, opt_state, 0, 0
     params, opt_state, meta = ckpt.load(last, params, opt_state)
     loader.load_state_dict(meta["data"])
     restore_rng(meta["rng"])
     print0(f"resumed from {last} (step {meta['step']}, {meta['tokens_seen']:,} tokens seen)")
+    saved_steps = meta["run"].get("steps")
+    if saved_steps is not None and saved_steps != cfg.steps:
+        print0(f"note: {last} was trained toward --steps {saved_steps}; this run has --steps {cfg.steps}, so the lr schedule "
+               f"of the steps after {meta['step']} is the one of a {cfg.steps}-step run")
     return params, opt_state, meta["step"], meta["tokens_seen"]
 
 
@@ -340,6 +358,7 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     _check(cfg, model, dp_size)
     _lock = ckpt.lock_dir(cfg.ckpt_dir) if dist_info.rank == 0 else None  # held until run() returns
     mem = _memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size() * mesh["ep"].size() * mesh["tp"].size(), dp_size)
+    last = _resumable(cfg, family, model)  # a checkpoint this run cannot continue fails here, before the data is read
     # params (a dim that does not divide its mesh axes fails here, before the data is read)
     with collective("distributing the initial params"):
         params = model.init(cfg.seed, dist_info.device, param_dtype(cfg.precision), mesh)
@@ -347,22 +366,23 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     loader, val_batches, val_entropy, data_line = _data(cfg, model, dp_rank, dp_size, dist_info.rank)
     # optimizer, then resume
     opt_state = init_state(cfg.optim, params)
-    if init_params is not None and ckpt.latest_step_dir(cfg.ckpt_dir) is None:
+    if init_params is not None and last is None:
         params = _apply_init(params, init_params, cfg.init_from)
         opt_state = init_state(cfg.optim, params)
         print0(f"initialised from {cfg.init_from} (fresh optimizer, step 0)")
     elif init_params is not None:
         print0(f"--init-from {cfg.init_from} ignored: resuming from {cfg.ckpt_dir}")
     init_params = None
-    params, opt_state, start, tokens_seen = _resume(cfg, family, model, params, opt_state, loader)
+    params, opt_state, start, tokens_seen = _resume(cfg, last, params, opt_state, loader)
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
 
     counts = model.param_counts()
     peak, peak_src = device_peak_flops(dist_info.device)
     flops_per_token = model.train_flops_per_token(cfg.seq_len)
     placements = placements_of(params)
-    print0(f"model {family}/{size}: {counts['total']:,} params ({counts['activated']:,} activated per token; "
-           f"without MTP {counts['total_no_mtp']:,} / {counts['activated_no_mtp']:,})")
+    mtp = (f"; without MTP {counts['total_no_mtp']:,} / {counts['activated_no_mtp']:,}"
+           if counts["total_no_mtp"] != counts["total"] else "")
+    print0(f"model {family}/{size}: {counts['total']:,} params ({counts['activated']:,} activated per token{mtp})")
     print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
     if len(set(placements.values())) == 1:
         print0(f"placements: {next(iter(placements.values()))} (all {len(placements)} params)")
