@@ -9,13 +9,15 @@ Models are pure functions over param pytrees::
     out.logits                                        # [B, T, vocab]
 
     model, params = mff.load("path/to/hf-folder")     # or an mff checkpoint, or a .gguf file
+    model, params = mff.load("base", adapter="lora")  # a PEFT adapter or an mff LoRA run, merged
     mff.save_hf(model, params, "out/hf-folder")       # loads in transformers
 """
 
-from mff.ckpt.autoload import load
+from mff import peft
 from mff.ckpt.hf import save_hf
 from mff.model import Model, Output
 from mff.models import FAMILIES, build, get_family
+from mff.peft.load import load_model as load
 
 __version__ = "0.1.0"
-__all__ = ["FAMILIES", "Model", "Output", "build", "get_family", "load", "save_hf", "__version__"]
+__all__ = ["FAMILIES", "Model", "Output", "build", "get_family", "load", "peft", "save_hf", "__version__"]

@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mff.nn.blocks import BlockExecution
+from mff.nn.lora import adapter_path, attach_lora, skeleton_path
 from mff.parallel.sharding import DEFAULT_AXIS_MAP, AxisMap, ShardingTable, shard_params
 from mff.tree import first_match, matches
 
-__all__ = ["Output", "Family", "Model", "BATCH_KEYS", "path_seed"]
+__all__ = ["Output", "Family", "Model", "LoRASpec", "BATCH_KEYS", "path_seed", "is_adapter_path"]
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask")
 
@@ -79,6 +80,49 @@ class Family:
     description: str = ""
 
 
+@dataclass(frozen=True)
+class LoRASpec:
+    """Which weights carry LoRA adapters and how they compute (see :mod:`mff.nn.lora`).
+
+    Attributes:
+        targets: the adapted weights' param paths (2-D ``[F, D]`` linear weights or stacked
+            experts ``[E, F, D]``).
+        r: the rank.
+        alpha: the scale numerator: ``s = alpha / r``, or ``alpha / sqrt(r)`` with ``rslora``.
+        dropout: dropout probability on the low-rank path's input (training only).
+        overrides: ``(target, r, alpha)`` for targets with their own rank and alpha (PEFT's
+            ``rank_pattern`` / ``alpha_pattern``).
+    """
+
+    targets: tuple[str, ...]
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    rslora: bool = False
+    overrides: tuple[tuple[str, int, float], ...] = ()
+
+    @property
+    def scale(self) -> float:
+        """``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA), of the targets without an override."""
+        return self.alpha / (self.r ** 0.5 if self.rslora else self.r)
+
+    def rank_of(self, target: str) -> int:
+        """The rank of ``target``'s adapter."""
+        return next((r for p, r, _ in self.overrides if p == target), self.r)
+
+    def scale_of(self, target: str) -> float:
+        """The scale of ``target``'s adapter (its override's alpha over its rank, if it has one)."""
+        for p, r, a in self.overrides:
+            if p == target:
+                return a / (r ** 0.5 if self.rslora else r)
+        return self.scale
+
+
+def is_adapter_path(path: str) -> bool:
+    """True for ``<weight path>.lora_A`` / ``.lora_B``."""
+    return path.endswith(".lora_A") or path.endswith(".lora_B")
+
+
 def path_seed(seed: int, path: str) -> int:
     """A 63-bit seed for one param, from sha256 of ``"{seed}:{path}"`` (stable across runs,
     platforms and world sizes; independent of the order params are made in)."""
@@ -99,7 +143,7 @@ def _fill(shape: torch.Size, spec: InitSpec, gen: torch.Generator) -> torch.Tens
 class Model:
     """A family + config + meta skeleton, exposing pure functions over param pytrees."""
 
-    def __init__(self, family: Family, config: Any, execution: BlockExecution | None = None):
+    def __init__(self, family: Family, config: Any, execution: BlockExecution | None = None, lora: LoRASpec | None = None):
         if not isinstance(config, family.config_cls):
             raise TypeError(f"{family.name} needs a {family.config_cls.__name__}, got {type(config).__name__}")
         if hasattr(config, "validate"):
@@ -115,9 +159,58 @@ class Model:
         self._shapes = {name: p.shape for name, p in self.skeleton.named_parameters()}
         if list(self.skeleton.buffers()):
             raise AssertionError(f"{family.name} skeleton holds buffers; skeletons must be buffer-free")
+        self.lora = lora
+        self._adapter_shapes: dict[str, torch.Size] = {}
+        self._adapter_names: dict[str, str] = {}  # adapter path -> skeleton param name
+        if lora is not None:
+            self._attach(lora)
+
+    def _attach(self, lora: LoRASpec) -> None:
+        if lora.r < 1:
+            raise ValueError(f"LoRA rank r={lora.r} must be >= 1")
+        if not lora.alpha > 0:
+            raise ValueError(f"LoRA alpha={lora.alpha} must be > 0")
+        if not 0 <= lora.dropout < 1:
+            raise ValueError(f"LoRA dropout={lora.dropout} must be in [0, 1)")
+        slots = {}
+        for path in lora.targets:
+            shape = self._shapes.get(path)
+            if shape is None:
+                raise ValueError(f"LoRA target {path!r} is not a param of {self.family.name}")
+            r = lora.rank_of(path)
+            if len(shape) == 2:
+                a, b = (r, shape[1]), (shape[0], r)
+            elif len(shape) == 3:
+                a, b = (shape[0], r, shape[2]), (shape[0], shape[1], r)
+            else:
+                raise ValueError(f"LoRA target {path!r} has shape {tuple(shape)}; only 2-D weights and 3-D stacked experts take adapters")
+            slots[path] = (a, b, lora.scale_of(path))
+            for which, shp in (("A", a), ("B", b)):
+                name = adapter_path(path, which)
+                self._adapter_shapes[name] = torch.Size(shp)
+                self._adapter_names[name] = skeleton_path(name)
+        attach_lora(self.skeleton, slots, lora.dropout)
 
     def __repr__(self) -> str:
-        return f"Model({self.family.name}, {self.config})"
+        extra = f", lora r={self.lora.r} on {len(self.lora.targets)} weights" if self.lora is not None else ""
+        return f"Model({self.family.name}, {self.config}{extra})"
+
+    def with_lora(self, lora: LoRASpec | None) -> Model:
+        """The same model whose ``lora.targets`` weights carry LoRA adapters (None: none). A new
+        skeleton is built (meta device); the base params and their numerics are unchanged.
+        ``forward`` then needs the adapters (:meth:`adapter_shapes`) beside the base params.
+
+        Raises:
+            ValueError: a target that is not a 2-D or 3-D param; r < 1, alpha <= 0, dropout
+                outside [0, 1).
+        """
+        return Model(self.family, self.config, self.execution, lora)
+
+    def adapter_shapes(self) -> dict[str, torch.Size]:
+        """``{adapter path: shape}`` of the LoRA factors (empty without LoRA): for a target
+        ``[F, D]`` weight ``W``, ``W.lora_A`` [r, D] and ``W.lora_B`` [F, r]; for stacked experts
+        ``[E, F, D]``, [E, r, D] and [E, F, r]."""
+        return dict(self._adapter_shapes)
 
     def with_execution(self, ac: str = "none", compile: bool = False) -> Model:
         """The same model with its blocks run under activation checkpointing (``ac``: none,
@@ -128,7 +221,7 @@ class Model:
             ValueError: an unknown ``ac`` mode.
             TypeError: ``compile`` is not a bool.
         """
-        return Model(self.family, self.config, BlockExecution(ac=ac, compile=compile))
+        return Model(self.family, self.config, BlockExecution(ac=ac, compile=compile), self.lora)
 
     # ---- structure -------------------------------------------------------------------
     def param_shapes(self) -> dict[str, torch.Size]:
@@ -232,7 +325,7 @@ class Model:
         if pos is not None and (bounds[2] < 0 or bounds[3] >= self.config.max_position_embeddings):
             bad = bounds[2] if bounds[2] < 0 else bounds[3]
             raise ValueError(f"batch['position_ids'] holds position {bad}, outside [0, max_position_embeddings={self.config.max_position_embeddings})")
-        for path, shape in self._shapes.items():
+        for path, shape in (*self._shapes.items(), *self._adapter_shapes.items()):
             p = params.get(path)
             if p is not None and tuple(p.shape) != tuple(shape):
                 raise ValueError(f"param {path!r} has shape {tuple(p.shape)}, the model expects {tuple(shape)}")
@@ -293,7 +386,8 @@ class Model:
         """Run the model on ``batch`` with ``params``.
 
         Args:
-            params: every param path of the model (missing or extra paths raise).
+            params: every param path of the model (missing or extra paths raise); with LoRA
+                (:meth:`with_lora`) also every adapter path (``<weight>.lora_A`` / ``.lora_B``).
             batch: ``input_ids`` int64 [B, T]; optional ``labels`` int64 [B, T] (aligned:
                 target of position t, -100 ignored), ``position_ids`` int64 [B, T],
                 ``document_ids`` int [B, T] (attention and MTP targets stay within a document),
@@ -321,10 +415,37 @@ class Model:
         """
         if check:
             self._check_inputs(params, batch, target_counts)
+        params = self._skeleton_params(params)
         kwargs = dict(batch)
         kwargs["target_counts"] = target_counts
         if self._takes_return_logits:
             kwargs["return_logits"] = logits
         if cache is not None:
             kwargs["cache"] = cache
-        return torch.func.functional_call(self.skeleton, dict(params), args=(), kwargs=kwargs, strict=True)
+        return torch.func.functional_call(self.skeleton, params, args=(), kwargs=kwargs, strict=True)
+
+    def _skeleton_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``params`` keyed as the skeleton names them: adapter paths become their slots'
+        names. Raises ValueError for adapters the model has no slot for, or missing ones."""
+        if not self._adapter_names:
+            stray = [k for k in params if is_adapter_path(k)]
+            if stray:
+                raise ValueError(f"params hold LoRA adapters ({stray[0]!r}, ...) but the model has none: "
+                                 "build it with model.with_lora(spec) (mff.peft)")
+            return dict(params)
+        out = {}
+        found = 0
+        for k, v in params.items():
+            name = self._adapter_names.get(k)
+            if name is not None:
+                out[name] = v
+                found += 1
+            elif is_adapter_path(k):
+                raise ValueError(f"adapter {k!r} has no LoRA slot in this model (targets: {len(self.lora.targets)} weights)")
+            else:
+                out[k] = v
+        if found != len(self._adapter_names):
+            missing = sorted(set(self._adapter_names) - set(params))
+            raise ValueError(f"the model carries LoRA adapters but params lack {len(missing)} of them, e.g. {missing[:3]}; pass "
+                             "the adapters with the base params ({**params, **adapters})")
+        return out

@@ -4,6 +4,9 @@ layout must not change: the losses, the grad norms and the final full params.
     torchrun --nproc_per_node=N tests/layout_worker.py OUT.pt --families deepseek3,qwen3_moe --tp 2
     python tests/layout_worker.py OUT.pt --families deepseek3          # the single-process reference
 
+``--lora R`` also runs each family with LoRA adapters of rank R on every projection (frozen base,
+the adapters trained; saved under ``<family>+lora``, their params being the adapters).
+
 Every rank builds the same global batch; each data-parallel rank takes its rows, in micro-batches
 of ``--micro-rows`` rows. The reference runs the same micro-batches one after the other (grad
 accumulation): a balance loss is computed per micro-batch (as Megatron's default), so only the
@@ -20,6 +23,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -103,10 +107,39 @@ def assert_tp_is_real(model, params, batch, tp: int) -> None:
     assert not bad, f"(layer, width used, width of 1/tp): {bad}"
 
 
-def run(family: str, mesh, micro_rows: int) -> dict:
+def assert_lora_placed_like_base(params, mesh) -> None:
+    """Column-parallel weights' B and row-parallel weights' A are split over tp like the weight;
+    stacked experts' adapters are split by expert over ep like the experts."""
+    names = list(mesh.mesh_dim_names)
+    for name, t in params.items():
+        if not name.endswith((".lora_A", ".lora_B")):
+            continue
+        base = params[name[: -len(".lora_A")]]
+        for axis in ("tp", "ep"):
+            i = names.index(axis)
+            if mesh.size(i) == 1:
+                continue
+            bp, ap = base.placements[i], t.placements[i]
+            if name.endswith(".lora_B") and bp == Shard(0) and base.dim() == 2:
+                assert ap == Shard(0), (name, t.placements)
+            if name.endswith(".lora_A") and bp == Shard(1) and base.dim() == 2:
+                assert ap == Shard(1), (name, t.placements)
+            if base.dim() == 3 and bp == Shard(0):
+                assert ap == Shard(0), (name, t.placements)
+
+
+def run(family: str, mesh, micro_rows: int, lora_r: int = 0) -> dict:
     model = tiny(family)
     params = model.init(seed=7, mesh=mesh)
     tp = mesh.size(mesh.mesh_dim_names.index("tp"))
+    saved = params
+    if lora_r:
+        model = mff.peft.add_lora(model, r=lora_r, alpha=2 * lora_r)
+        for t in params.values():
+            t.requires_grad_(False)
+        saved = mff.peft.init_adapters(model, seed=9, mesh=mesh)
+        params = {**params, **saved}
+        assert_lora_placed_like_base(params, mesh)
     if tp > 1:
         assert_tp_is_real(model, params, global_batch(0), tp)
     # eps 1e-5, not 1e-8: near g = 0 an AdamW step moves a param by lr * g / eps, so a grad that
@@ -124,10 +157,21 @@ def run(family: str, mesh, micro_rows: int) -> dict:
         b = global_batch(step)
         mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()}
         micro = [{k: v[i:i + micro_rows] for k, v in mine.items()} for i in range(0, rows, micro_rows)]
-        stats = train_step(model, params, state, micro, optim.lr, optim, bias_update_rate=1e-3)
+        stats = train_step(model, params, state, micro, optim.lr, optim, bias_update_rate=0.0 if lora_r else 1e-3)
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
-    return {"losses": losses, "grad_norms": norms, "params": {k: full(v) for k, v in params.items()}}
+    trained = sorted(k for k, v in saved.items() if v.requires_grad)
+    assert sorted(k for k, _ in _state_paths(state)) == trained, "optimizer state must cover exactly the trained params"
+    return {"losses": losses, "grad_norms": norms, "params": {k: full(v) for k, v in saved.items()}}
+
+
+def _state_paths(state: dict):
+    """``(param path, slot)`` of the optimizer state's per-param tensors."""
+    for slot, tree in state.items():
+        if isinstance(tree, dict):
+            for path in tree:
+                if slot == "exp_avg":
+                    yield path, slot
 
 
 def main() -> None:
@@ -135,6 +179,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--families", required=True)
     ap.add_argument("--micro-rows", type=int, default=GLOBAL_BATCH)
+    ap.add_argument("--lora", type=int, default=0)
     for name in ("dp_replicate", "dp_shard", "tp", "ep"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=-1 if name == "dp_shard" else 1)
     a = ap.parse_args()
@@ -152,6 +197,8 @@ def main() -> None:
     moe._dispatched_experts = counting
     for family in a.families.split(","):
         result[family] = run(family, mesh, a.micro_rows)
+        if a.lora:
+            result[family + "+lora"] = run(family, mesh, a.micro_rows, a.lora)
     if info.rank == 0:
         tmp = a.out + ".tmp"
         torch.save(result, tmp)

@@ -14,8 +14,9 @@ import sys
 import time
 
 import mff.recipes.pretrain as pretrain
+import mff.train.loop as loop
 
-_real_step = pretrain.train_step
+_real_step = loop.train_step
 _calls = [0]
 
 
@@ -29,5 +30,5 @@ def _stalling_step(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    pretrain.train_step = _stalling_step
+    loop.train_step = _stalling_step
     sys.exit(pretrain.main(sys.argv[1:]))

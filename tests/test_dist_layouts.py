@@ -1,5 +1,7 @@
 """Issue 5, acceptance 1-2: three fp32 training steps on a parallel layout give the losses, the
-grad norms and the final params of the single-process run within 1e-5.
+grad norms and the final params of the single-process run within 1e-5. Issue 14, acceptance 5:
+the same for LoRA adapters (frozen base) under dp-shard=2, tp=2 and ep=2: losses and every
+adapter within 1e-5, the adapters placed like their base weights.
 
 One torchrun launch per layout runs every family the layout must cover
 (tests/layout_worker.py); the single-process reference runs once per session.
@@ -43,16 +45,16 @@ def reference(tmp_path_factory):
 
     def get(rows: int) -> dict:
         if rows not in made:
-            made[rows] = _launch(tmp_path_factory.mktemp("ref") / "ref.pt", ALL, 1, ["--micro-rows", str(rows)])
+            made[rows] = _launch(tmp_path_factory.mktemp("ref") / "ref.pt", ALL, 1, ["--micro-rows", str(rows), "--lora", "4"])
         return made[rows]
 
     return get
 
 
-LAYOUTS = [
-    pytest.param(2, ["--dp-shard", "2"], ALL, id="dp_shard2"),
-    pytest.param(2, ["--tp", "2"], ALL, id="tp2"),
-    pytest.param(2, ["--ep", "2"], MOE, id="ep2"),
+LAYOUTS = [  # the first three also train LoRA adapters (--lora 4)
+    pytest.param(2, ["--dp-shard", "2", "--lora", "4"], ALL, id="dp_shard2"),
+    pytest.param(2, ["--tp", "2", "--lora", "4"], ALL, id="tp2"),
+    pytest.param(2, ["--ep", "2", "--lora", "4"], MOE, id="ep2"),
     pytest.param(4, ["--dp-shard", "2", "--tp", "2"], MOE, id="dp_shard2xtp2"),
     pytest.param(4, ["--ep", "2", "--dp-shard", "2"], MOE, id="ep2xdp_shard2"),
 ]
@@ -61,12 +63,13 @@ LAYOUTS = [
 @pytest.mark.parametrize("nproc,flags,families", LAYOUTS)
 def test_layout_matches_one_process(reference, tmp_path, nproc, flags, families):
     sizes = dict(zip(flags[::2], map(int, flags[1::2])))
+    lora = sizes.pop("--lora", 0)
     rows = GLOBAL_BATCH * sizes.get("--tp", 1) // nproc  # rows per data-parallel rank
     got = _launch(tmp_path / "got.pt", families, nproc, [*flags, "--micro-rows", str(rows)])
     for flag, size in sizes.items():
         assert got["mesh"][flag.removeprefix("--").replace("-", "_")] == size
     assert (got["ep_dispatches"] > 0) == (sizes.get("--ep", 1) > 1)  # real expert parallelism: tokens sent by all-to-all
-    for family in families:
+    for family in [*families, *[f + "+lora" for f in families if lora]]:
         ref, run = reference(rows)[family], got[family]
         assert run["losses"] == pytest.approx(ref["losses"], abs=1e-5), family
         assert run["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5), family

@@ -72,6 +72,9 @@ def load_mff(path: str | os.PathLike, device: torch.device | str = "cpu", dtype:
     """``(model, params)`` from an mff checkpoint (family and config from its metadata)."""
     step = resolve_mff_step_dir(path)
     meta = read_meta(step, required=("family", "config"))
+    if "lora" in meta:
+        raise CheckpointError(f"{path} is a LoRA run: it holds adapters only (its base: {(meta.get('base') or {}).get('path')}); "
+                              "load it with mff.load (mff.peft.load.load_model), which applies them to the base")
     family = get_family(meta["family"])
     cfg = config_from_dict(family.config_cls, meta["config"])
     return load_hf_tensors(open_tensors(step, meta, "model"), family, cfg, None, device, dtype, where=str(step))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mff.backend import ops
+from mff.nn.lora import lora_input, low_rank, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, reduce_from_tp, tp_shard
 
@@ -49,6 +50,11 @@ class Linear(nn.Module):
     - ``Shard(1)`` (row-parallel): ``x`` [..., D / tp] holds this rank's features; the partial
       products are all-reduced over tp into the full [..., F]; the bias (replicated over tp)
       is added once, after the sum.
+
+    LoRA (:mod:`mff.nn.lora`), when the skeleton gave the weight a ``lora_weight`` slot: ``+ s
+    (x A^T) B^T``. Column-parallel: ``A`` whole, ``B`` split by rows like the weight, the rank-r
+    activations' gradient summed over tp. Row-parallel: ``A`` split by columns like the weight,
+    its rank-r partial products all-reduced (r numbers per token), ``B`` whole.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
@@ -58,14 +64,27 @@ class Linear(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         split = tp_shard(self.weight)
+        lora = self.__dict__["_modules"].get(slot_name("weight"))
         if split is None:
             b = gather(self.bias) if self.bias is not None else None
-            return linear(x_BTD, gather(self.weight), b)
+            y = linear(x_BTD, gather(self.weight), b)
+            if lora is not None:
+                y = y + low_rank(lora_input(x_BTD, lora), gather(lora.A), gather(lora.B), lora.scale)
+            return y
         w = gather(self.weight, keep=(TP_AXIS,))
         if split.dim == 0:
             b = gather(self.bias, keep=(TP_AXIS,)) if self.bias is not None else None
-            return linear(copy_to_tp(x_BTD, split.group), w, b)
-        y = reduce_from_tp(linear(x_BTD, w), split.group)
+            y = linear(copy_to_tp(x_BTD, split.group), w, b)
+            if lora is not None:  # A whole on every rank, B split like the weight's rows
+                z = copy_to_tp(F.linear(lora_input(x_BTD, lora), gather(lora.A)), split.group)
+                y = y + F.linear(z, gather(lora.B, keep=(TP_AXIS,))) * lora.scale
+            return y
+        y = linear(x_BTD, w)
+        if lora is not None:  # A split like the weight's columns, B whole: the rank-r partial sums are all-reduced
+            z = reduce_from_tp(F.linear(lora_input(x_BTD, lora), gather(lora.A, keep=(TP_AXIS,))), split.group)
+        y = reduce_from_tp(y, split.group)
+        if lora is not None:
+            y = y + F.linear(z, gather(lora.B)) * lora.scale
         return y + gather(self.bias) if self.bias is not None else y
 
 

@@ -11,7 +11,9 @@ rotated shared key ``k_rot`` [R] per token, and attends in the latent space ("ab
 attention, DeepSeek-V2 paper section 2.1.2 / appendix; MindFormers' absorbed MLA): with
 ``kv_b_proj`` split into ``W_UK`` [H, N, C] and ``W_UV`` [H, Vd, C], the score is
 ``(q_nope W_UK) . c_s + q_rot . k_rot_s`` and the output ``(sum_s a_s c_s) W_UV^T``, which
-equals the expanded computation. The cache per token per layer is C + R values.
+equals the expanded computation. The cache per token per layer is C + R values. With a LoRA
+adapter on ``kv_b_proj`` the absorbed path uses ``W + s B A`` (built per decode step for that
+one weight; merging the adapter first avoids it).
 
 Tensor parallelism (Megatron-LM): ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` split by
 heads over ``tp`` (column-parallel), ``o_proj`` by its input heads (row-parallel); the
@@ -30,6 +32,7 @@ from torch import nn
 
 from mff.nn.attention import causal_attention
 from mff.nn.layers import Linear, RMSNorm
+from mff.nn.lora import delta_weight, slot_name
 from mff.nn.rope import apply_rope
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, copy_to_tp, tp_shard
@@ -116,7 +119,11 @@ class MLA(nn.Module):
         kv["c"].index_copy_(1, slots, c_BTC.to(kv["c"].dtype))
         kv["k_rot"].index_copy_(1, slots, k_rot_BTR.to(kv["k_rot"].dtype))
         c_BSC, k_rot_BSR = kv["c"], kv["k_rot"]
-        w = gather(self.kv_b_proj.weight, keep=(TP_AXIS,)).view(H, self.nope + self.v_dim, self.kv_lora_rank)
+        w = gather(self.kv_b_proj.weight, keep=(TP_AXIS,))
+        lora = self.kv_b_proj.__dict__["_modules"].get(slot_name("weight"))
+        if lora is not None:  # the absorbed path needs the adapted weight itself: W + s B A, this rank's heads
+            w = w + delta_weight(gather(lora.A), gather(lora.B, keep=(TP_AXIS,)), lora.scale)
+        w = w.view(H, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
         q_cat = torch.cat((q_lat, q_rot), dim=-1)  # [B, T, H, C + R]

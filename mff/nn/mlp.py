@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mff.nn.layers import Linear, linear
+from mff.nn.lora import lora_input, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, tp_shard
 
@@ -43,7 +44,8 @@ class FusedGatedMLP(nn.Module):
     families: per layer and micro-batch an all-gather of the [2F, D / dp] weight over tp in
     the forward and a reduce-scatter of its gradient in the backward ((tp - 1) / tp of
     2 F D / dp elements each way: the traffic of one all-reduce of the weight), no extra
-    activation traffic.
+    activation traffic. A LoRA slot on ``gate_up_proj`` follows the same rule: its ``B`` [2F, r]
+    is gathered over tp and cut into the same gate and up rows.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -58,6 +60,12 @@ class FusedGatedMLP(nn.Module):
             return self.down_proj(F.silu(gate) * up)
         w_gate, w_up = gather(self.gate_up_proj.weight, partial=(TP_AXIS,)).chunk(2, dim=0)
         start, stop = chunk_range(w_gate.shape[0], split.rank, split.size)
-        x = copy_to_tp(x, split.group)
-        gate, up = linear(x, w_gate[start:stop]), linear(x, w_up[start:stop])
+        x_tp = copy_to_tp(x, split.group)
+        gate, up = linear(x_tp, w_gate[start:stop]), linear(x_tp, w_up[start:stop])
+        lora = self.gate_up_proj.__dict__["_modules"].get(slot_name("weight"))
+        if lora is not None:  # B gathered and cut like the weight; the rank-r activations' gradient summed over tp
+            z = copy_to_tp(F.linear(lora_input(x, lora), gather(lora.A)), split.group)
+            b_gate, b_up = gather(lora.B, partial=(TP_AXIS,)).chunk(2, dim=0)
+            gate = gate + F.linear(z, b_gate[start:stop]) * lora.scale
+            up = up + F.linear(z, b_up[start:stop]) * lora.scale
         return self.down_proj(F.silu(gate) * up)

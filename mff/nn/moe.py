@@ -22,12 +22,15 @@ Shape legend: B batch, T sequence, N = B*T tokens, D hidden, E experts, K top-k,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from mff.backend import ops
+from mff.nn.lora import slot_name
 from mff.nn.mlp import GatedMLP
 from mff.parallel.ep import all_to_all, exchange_counts, expert_group, plan_receive, plan_send
 from mff.parallel.gather import gather
@@ -150,17 +153,49 @@ class SoftmaxRouter(nn.Module):
 
 
 
-def _expert_mlp(x_SD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, counts: list[int]) -> torch.Tensor:
+class ExpertLoRA(NamedTuple):
+    """The LoRA factors of one stacked expert weight [E, F, D], as the experts compute with them:
+    ``A`` [E, r, D], ``B`` [E, F, r] (this rank's experts under ep), the scale and the dropout."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+    dropout: float
+
+
+def _expert_lora(slot, keep: tuple[str, ...] = ()) -> ExpertLoRA | None:
+    if slot is None:
+        return None
+    return ExpertLoRA(gather(slot.A, keep=keep), gather(slot.B, keep=keep), slot.scale, slot.dropout)
+
+
+def _grouped_low_rank(mm, x_SD: torch.Tensor, lora: ExpertLoRA, counts: list[int]) -> torch.Tensor:
+    """``s (x A_e^T) B_e^T`` per expert group: two narrow grouped GEMMs (rank r in between), no
+    [E, F, D] delta."""
+    if lora.dropout > 0 and torch.is_grad_enabled():
+        x_SD = F.dropout(x_SD, lora.dropout, training=True)
+    return mm(mm(x_SD, lora.A.transpose(1, 2), counts), lora.B.transpose(1, 2), counts) * lora.scale
+
+
+def _expert_mlp(x_SD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, counts: list[int],
+                lora_gate_up: ExpertLoRA | None = None, lora_down: ExpertLoRA | None = None) -> torch.Tensor:
     """The gated expert MLP on rows grouped by expert (``counts[e]`` consecutive rows for
-    expert e): one grouped GEMM per projection (``ops.grouped_mm``). Returns [S, D].
+    expert e): one grouped GEMM per projection (``ops.grouped_mm``), plus each projection's LoRA
+    path when it has one. Returns [S, D].
 
     With no rows (an ep rank whose experts were routed no token) the result is still made from
     ``x_SD`` and the weights, so that the backward reaches the all-to-all on every rank alike
     (``torch._grouped_mm``'s backward also rejects zero rows)."""
     mm = ops.grouped_mm if x_SD.shape[0] else _no_rows_mm
     h = mm(x_SD, gate_up_EFD.transpose(1, 2), counts)  # [S, 2I]
+    if lora_gate_up is not None:
+        h = h + _grouped_low_rank(mm, x_SD, lora_gate_up, counts)
     g, u = h.chunk(2, dim=-1)
-    return mm(F.silu(g) * u, down_EDI.transpose(1, 2), counts)
+    a = F.silu(g) * u
+    y = mm(a, down_EDI.transpose(1, 2), counts)
+    if lora_down is not None:
+        y = y + _grouped_low_rank(mm, a, lora_down, counts)
+    return y
 
 
 def _no_rows_mm(x_0D: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -177,7 +212,8 @@ def _combine(y_SD: torch.Tensor, w_NK: torch.Tensor, order: torch.Tensor, token_
 
 @torch.compiler.disable
 def _grouped_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_EFD: torch.Tensor,
-                     down_EDI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     down_EDI: torch.Tensor, lora: tuple[ExpertLoRA | None, ExpertLoRA | None] = (None, None)
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token slots sorted by expert, then one grouped GEMM per projection (``ops.grouped_mm``).
 
     Runs eagerly under ``torch.compile`` (a graph break): the group sizes are data (a host
@@ -188,13 +224,14 @@ def _grouped_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tenso
     order = torch.argsort(flat, stable=True)
     token_of_slot = order // K
     counts_E = torch.bincount(flat, minlength=gate_up_EFD.shape[0])
-    y_SD = _expert_mlp(x_ND[token_of_slot], gate_up_EFD, down_EDI, counts_E.tolist())  # tolist: host sync for the group sizes
+    y_SD = _expert_mlp(x_ND[token_of_slot], gate_up_EFD, down_EDI, counts_E.tolist(), *lora)  # tolist: host sync for the group sizes
     return _combine(y_SD, w_NK, order, token_of_slot, x_ND), counts_E
 
 
 @torch.compiler.disable
 def _dispatched_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_local: torch.Tensor,
-                        down_local: torch.Tensor, num_experts: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+                        down_local: torch.Tensor, num_experts: int, group,
+                        lora: tuple[ExpertLoRA | None, ExpertLoRA | None] = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert parallelism (:mod:`mff.parallel.ep`): this rank's token slots go by all-to-all
     to the ep ranks holding their experts, ``gate_up_local`` [E/P, 2I, D] and ``down_local``
     [E/P, D, I] run on the slots received, and the outputs come back and are combined as in
@@ -207,7 +244,7 @@ def _dispatched_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Te
     send = plan_send(idx_NK, num_experts, P)
     recv = plan_receive(exchange_counts(send.counts, group))
     x_recv = all_to_all(x_ND[send.token_of_slot], recv.recv_splits, send.send_splits, group)
-    y_local = _expert_mlp(x_recv[recv.local_order], gate_up_local, down_local, recv.local_counts)
+    y_local = _expert_mlp(x_recv[recv.local_order], gate_up_local, down_local, recv.local_counts, *lora)
     back = torch.empty_like(recv.local_order)
     back[recv.local_order] = torch.arange(back.numel(), device=back.device)
     y_SD = all_to_all(y_local[back], send.send_splits, recv.recv_splits, group)
@@ -225,6 +262,10 @@ class Experts(nn.Module):
     ``ep`` of size P > 1, each rank keeps its E/P experts (``gather(w, keep=("ep",))``) and the
     token slots travel to them by all-to-all (:func:`_dispatched_experts`); every ep rank must
     then run the layer together.
+
+    LoRA (:mod:`mff.nn.lora`): a ``lora_gate_up_proj`` / ``lora_down_proj`` slot adds one
+    ``A``/``B`` pair per expert to that projection, computed per expert group with two grouped
+    GEMMs through rank r (split by expert over ep like the weights).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -233,16 +274,20 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def _lora(self, keep: tuple[str, ...] = ()) -> tuple[ExpertLoRA | None, ExpertLoRA | None]:
+        slots = self.__dict__["_modules"]
+        return _expert_lora(slots.get(slot_name("gate_up_proj")), keep), _expert_lora(slots.get(slot_name("down_proj")), keep)
+
     def forward(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         N, D = x_ND.shape
         K = idx_NK.shape[1]
         group = expert_group(self.gate_up_proj)
         if group is not None:
             w1, w2 = gather(self.gate_up_proj, keep=("ep",)), gather(self.down_proj, keep=("ep",))
-            return _dispatched_experts(x_ND, w_NK, idx_NK, w1, w2, self.num_experts, group)
+            return _dispatched_experts(x_ND, w_NK, idx_NK, w1, w2, self.num_experts, group, self._lora(keep=("ep",)))
         if N * K <= self.num_experts:
             return self._gathered(x_ND, w_NK, idx_NK)
-        return _grouped_experts(x_ND, w_NK, idx_NK, gather(self.gate_up_proj), gather(self.down_proj))
+        return _grouped_experts(x_ND, w_NK, idx_NK, gather(self.gate_up_proj), gather(self.down_proj), self._lora())
 
     def _gathered(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Few token slots (decoding): gather each slot's expert weights and use batched
@@ -252,6 +297,9 @@ class Experts(nn.Module):
         flat = idx_NK.reshape(-1)
         x_SD = x_ND.repeat_interleave(K, dim=0)
         w1, w2 = gather(self.gate_up_proj), gather(self.down_proj)
+        lora_gu, lora_dn = self._lora()
+        if lora_gu is not None or lora_dn is not None:
+            return self._gathered_lora(x_SD, flat, w1, w2, lora_gu, lora_dn, w_NK, x_ND.dtype)
         if torch.compiler.is_compiling():
             # fused by the compiler into one pass over the chosen experts' rows (no gathered copy)
             g, u = (x_SD[:, None, :] * w1[flat]).sum(-1).chunk(2, dim=-1)  # [S, I] each
@@ -262,6 +310,26 @@ class Experts(nn.Module):
         y = (y * w_NK.reshape(-1, 1)).view(N, K, D).sum(1)
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
         return y.to(x_ND.dtype), counts  # scatter_add, not bincount: a fixed output shape (no graph break)
+
+    def _gathered_lora(self, x_SD, flat, w1, w2, lora_gu, lora_dn, w_NK, dtype):
+        """:meth:`_gathered` with LoRA on either projection: per slot ``x W_e^T + s (x A_e^T) B_e^T``
+        as batched mat-vecs over the chosen experts' factors."""
+        S, D = x_SD.shape
+        N, K = w_NK.shape
+
+        def proj(x_S1D, w, lora):
+            y = torch.bmm(x_S1D, w[flat].transpose(1, 2))
+            if lora is not None:
+                x_in = F.dropout(x_S1D, lora.dropout, training=True) if lora.dropout > 0 and torch.is_grad_enabled() else x_S1D
+                z = torch.bmm(x_in, lora.A[flat].transpose(1, 2))
+                y = y + torch.bmm(z, lora.B[flat].transpose(1, 2)) * lora.scale
+            return y
+
+        g, u = proj(x_SD[:, None, :], w1, lora_gu).chunk(2, dim=-1)  # [S, 1, I]
+        y = proj(F.silu(g) * u, w2, lora_dn).squeeze(1)  # [S, D]
+        y = (y * w_NK.reshape(-1, 1)).view(N, K, D).sum(1)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        return y.to(dtype), counts
 
 
 class MoE(nn.Module):

@@ -1,37 +1,22 @@
-"""Pieces every recipe shares: two-pass CLI parsing (``--model``/``--size`` then tyro), run
-logging (progress bar, one line per step, JSON metrics), config <-> checkpoint metadata, RNG
-state, and the one-line error exit."""
+"""Pieces every recipe shares: two-pass CLI parsing (``--model``/``--size`` then tyro) and the
+one-line error exit. Run logging (:mod:`mff.train.log`) and the checkpoint metadata helpers
+(:mod:`mff.train.state`) are re-exported here for the recipes."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import tyro
-from tqdm import tqdm
 
-from mff.ckpt import CheckpointError
 from mff.models import FAMILIES, get_family, size_config
+from mff.train.log import RunLog, is_rank0, print0
+from mff.train.state import check_resume_config, config_to_dict, restore_rng, rng_state
 
 __all__ = ["parse_model_args", "RunLog", "config_to_dict", "check_resume_config", "rng_state", "restore_rng", "fail", "print0", "is_rank0"]
-
-
-def is_rank0() -> bool:
-    """True on rank 0, or when no process group exists."""
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def print0(*args: Any) -> None:
-    """``print`` on rank 0 only, flushed."""
-    if is_rank0():
-        print(*args, flush=True)
 
 
 def fail(err: BaseException, code: int) -> int:
@@ -75,97 +60,13 @@ def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, descripti
         size = known.size or family.default_size
         model_cfg = size_config(family, size)
     doc = (description or "").strip()
-    doc += (
-        f"\n\n--model {{{','.join(sorted(FAMILIES))}}} (default deepseek3) and --size NAME "
-        f"(for {family.name}: {', '.join(family.sizes)}; default {family.default_size}) choose the model; "
-        "--model.<field> then overrides single fields."
-    )
-    cfg = tyro.cli(config_cls[family.config_cls], default=config_cls(model=model_cfg, size=size), args=rest, prog=prog, description=doc)
+    fields = getattr(config_cls, "__dataclass_fields__", {})
+    if "size" in fields:
+        doc += (
+            f"\n\n--model {{{','.join(sorted(FAMILIES))}}} (default deepseek3) and --size NAME "
+            f"(for {family.name}: {', '.join(family.sizes)}; default {family.default_size}) choose the model; "
+            "--model.<field> then overrides single fields."
+        )
+    default = config_cls(model=model_cfg, size=size) if "size" in fields else config_cls(model=model_cfg)
+    cfg = tyro.cli(config_cls[family.config_cls], default=default, args=rest, prog=prog, description=doc)
     return family.name, size, cfg
-
-
-def config_to_dict(cfg: Any, skip: Sequence[str] = ()) -> dict:
-    """A dataclass as plain msgpack/JSON types (nested dicts, lists), without fields ``skip``."""
-
-    def plain(v: Any) -> Any:
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, Path):
-            return str(v)
-        return v
-
-    return {k: v for k, v in plain(cfg).items() if k not in skip}
-
-
-def check_resume_config(meta: dict, family: str, config: Any) -> None:
-    """Raise CheckpointError when a checkpoint was made for another family or model config
-    (the message lists each differing field with both values)."""
-    if meta.get("family") != family:
-        raise CheckpointError(f"the checkpoint holds a {meta.get('family')!r} model, this run builds {family!r}; use another --ckpt-dir")
-    saved, now = meta.get("config", {}), config_to_dict(config)
-    diffs = []
-    for key in sorted(set(saved) | set(now)):
-        if saved.get(key) != now.get(key):
-            diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {now.get(key)!r}")
-    if diffs:
-        raise CheckpointError("the checkpoint's model config differs from this run's: " + "; ".join(diffs) + " (use another --ckpt-dir)")
-
-
-def rng_state() -> dict:
-    """The torch RNG states (CPU, and CUDA when used) as bytes, for checkpoint metadata."""
-    state = {"torch_cpu": torch.get_rng_state().numpy().tobytes()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
-    return state
-
-
-def restore_rng(state: dict) -> None:
-    """Inverse of :func:`rng_state`."""
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch_cpu"]), dtype=torch.uint8))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["torch_cuda"]), dtype=torch.uint8))
-
-
-class RunLog:
-    """Progress bar, one printed line per step and a JSON-lines metrics file (rank 0 only)."""
-
-    def __init__(self, metrics_file: str | None, total: int, initial: int = 0):
-        self.rank0 = is_rank0()
-        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, disable=None if self.rank0 else True, leave=False)
-        self.metrics = None
-        if metrics_file and self.rank0:
-            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(metrics_file, "a")
-
-    def write(self, line: str) -> None:
-        """Print a line above the progress bar (rank 0)."""
-        if self.rank0:
-            tqdm.write(line, file=sys.stdout)
-            sys.stdout.flush()
-
-    def step(self, rec: dict, val_entropy: float | None = None) -> None:
-        """Log one step record (``step``, ``loss``, ``lm_loss``, ... see the recipes)."""
-        if not self.rank0:
-            return
-        parts = [f"step {rec['step']:>5}/{self.bar.total}", f"loss {rec['loss']:.4f}", f"lm {rec['lm_loss']:.4f}"]
-        if rec.get("mtp_loss"):
-            parts.append(f"mtp {rec['mtp_loss']:.4f}")
-        if rec.get("balance_loss"):
-            parts.append(f"balance {rec['balance_loss']:.2e}")
-        parts += [f"lr {rec['lr']:.2e}", f"grad {rec['grad_norm']:.3f}", f"{rec['tokens_per_s']:,.0f} tok/s", f"MFU {100 * rec['mfu']:.2f}%"]
-        self.write(" | ".join(parts))
-        if "val_loss" in rec:
-            extra = f" (validation unigram entropy {val_entropy:.4f})" if val_entropy is not None else ""
-            self.write(f"step {rec['step']:>5} | val_loss {rec['val_loss']:.4f}{extra}")
-        if self.metrics:
-            self.metrics.write(json.dumps(rec) + "\n")
-            self.metrics.flush()
-        self.bar.update(1)
-
-    def close(self) -> None:
-        """Close the bar and the metrics file."""
-        self.bar.close()
-        if self.metrics:
-            self.metrics.close()

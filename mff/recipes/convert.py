@@ -1,7 +1,7 @@
 """Convert checkpoints between formats.
 
-    python -m mff.recipes.convert --src PATH --dst PATH --to hf|mff|mindspore [--dtype auto|float32|bfloat16]
-                                  [--model FAMILY --config CONFIG]
+    python -m mff.recipes.convert --src PATH --dst PATH --to hf|mff|mindspore|peft [--dtype auto|float32|bfloat16]
+                                  [--model FAMILY --config CONFIG] [--adapter ADAPTER]
 
 ``--src`` is an HF model folder (config.json + safetensors, sharded or not, FP8 included), an
 mff checkpoint (run or step folder), a .gguf file, or a MindFormers checkpoint: a MindSpore
@@ -17,7 +17,14 @@ checkpoint is used.
 (``DST/step_00000000``, ``DST/latest``) that ``mff.load`` and ``pretrain --init-from`` read;
 ``--to mindspore`` writes ``DST/model.ckpt`` in MindFormers' Mcore names (``--ms-format
 safetensors``: ``ms-model-*.safetensors`` + ``param_name_map.json``) and the HF ``config.json``,
-which MindFormers reads as ``pretrained_model_dir`` and ``mff.load`` reads back. The tokenizer
+which MindFormers reads as ``pretrained_model_dir`` and ``mff.load`` reads back.
+
+LoRA: a ``--src`` that is an mff LoRA run (``mff.recipes.finetune --lora.r``) is its base with
+the adapters merged in (``W + s B A``), for ``--to hf|mff|mindspore``; ``--adapter`` (a PEFT
+folder or an mff LoRA run) merges an adapter into any other ``--src``. ``--to peft`` writes the
+adapters themselves as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``,
+stacked experts as ``target_parameters``) that ``peft.PeftModel.from_pretrained`` loads onto the
+HF base. The tokenizer
 travels along: an HF folder's tokenizer files, an mff run's tokenizer.json, or a GGUF file's
 tokenizer and chat template (written as tokenizer.json and tokenizer_config.json).
 
@@ -43,11 +50,13 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from mff.ckpt.autoload import checkpoint_kind, load, load_gguf, load_mindspore, tokenizer_folder
-from mff.ckpt.checkpoint import CheckpointError, remove_stale_tmp, save_weights
+from mff.ckpt.autoload import checkpoint_kind, load_gguf, load_mindspore, resolve_mff_step_dir, tokenizer_folder
+from mff.ckpt.checkpoint import CheckpointError, read_meta, remove_stale_tmp, save_weights
 from mff.ckpt.hf import save_hf
 from mff.ckpt.mindformers import save_mindformers
 from mff.ckpt.safetensors_io import parse_size
+from mff.peft import save_peft, split_params
+from mff.peft.load import is_lora_run, load_model, merge_adapter
 from mff.recipes.common import config_to_dict, fail
 
 __all__ = ["ConvertConfig", "convert", "main"]
@@ -66,8 +75,10 @@ class ConvertConfig:
     """Source: an HF model folder, an mff checkpoint folder, a .gguf file, or a MindSpore .ckpt / MindFormers safetensors checkpoint."""
     dst: str
     """Output folder (must not exist, or be empty)."""
-    to: Literal["hf", "mff", "mindspore"]
-    """Output format: hf (transformers-loadable folder), mff (weights-only mff checkpoint) or mindspore (MindFormers Mcore .ckpt)."""
+    to: Literal["hf", "mff", "mindspore", "peft"]
+    """Output format: hf (transformers-loadable folder), mff (weights-only mff checkpoint), mindspore (MindFormers Mcore .ckpt) or peft (the LoRA adapters of an mff LoRA run or of --adapter, as a PEFT folder)."""
+    adapter: str | None = None
+    """A LoRA adapter (PEFT folder or mff LoRA run) merged into --src (--to peft: re-saved as a PEFT folder)."""
     model: str | None = None
     """MindFormers source: the model family (qwen3, qwen3_moe, deepseek3, telechat3, glm4, glm4_moe, llama) when --config has no model_type."""
     config: str | None = None
@@ -129,14 +140,20 @@ def convert(cfg: ConvertConfig) -> Path:
         raise ValueError(f"--model / --config are for MindSpore/MindFormers checkpoints; {cfg.src} is an {kind} checkpoint "
                          "that names its own model")
     remove_stale_tmp(dst.absolute().parent, f".tmp-{dst.name}-*")  # temp folders of killed conversions into --dst
+    if cfg.to == "peft":
+        return _convert_peft(cfg, dst)
     if kind == "gguf":  # one read gives the weights and the tokenizer
         model, params, g = load_gguf(cfg.src, dtype=DTYPES[cfg.dtype])
         extra = _tokenizer_files(cfg.src, kind, g)
+        if cfg.adapter is not None:
+            model, params = merge_adapter(model, params, cfg.adapter)
     elif kind == "mindspore":
         model, params = load_mindspore(cfg.src, cfg.model, cfg.config, dtype=DTYPES[cfg.dtype])
         extra = _tokenizer_files(cfg.src, kind)
+        if cfg.adapter is not None:
+            model, params = merge_adapter(model, params, cfg.adapter)
     else:
-        model, params = load(cfg.src, dtype=DTYPES[cfg.dtype])
+        model, params = load_model(cfg.src, dtype=DTYPES[cfg.dtype], adapter=cfg.adapter)
         extra = _tokenizer_files(cfg.src, kind)
     total = sum(t.numel() * t.element_size() for t in params.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {cfg.to}", file=sys.stderr) as bar:
@@ -149,7 +166,7 @@ def convert(cfg: ConvertConfig) -> Path:
                 if cfg.to == "mff":
                     meta = {"family": model.family.name, "size": "converted", "config": config_to_dict(model.config), "source": str(cfg.src)}
                     save_weights(tmp, params, meta, progress=bar.update)
-                    extra = {k: v for k, v in extra.items() if k == "tokenizer.json"}
+                    extra = {k: v for k, v in extra.items() if k in ("tokenizer.json", "tokenizer_config.json")}
                 else:
                     _save_mindspore(tmp, model, params, cfg)
                     bar.update(total)
@@ -164,6 +181,27 @@ def convert(cfg: ConvertConfig) -> Path:
             out = dst
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
     print(f"wrote {out} ({model.family.name}, {size} of weights)")
+    return out
+
+
+def _convert_peft(cfg: ConvertConfig, dst: Path) -> Path:
+    """``--to peft``: the adapters of an mff LoRA run (``--src``), or ``--adapter`` over ``--src``, as a PEFT folder."""
+    dtype = DTYPES[cfg.dtype]
+    if is_lora_run(cfg.src):
+        if cfg.adapter is not None:
+            raise ValueError(f"--src {cfg.src} is a LoRA run (it carries its adapters); --adapter is for a base --src")
+        lm, both = load_model(cfg.src, merged=False)
+        base_name = str(read_meta(resolve_mff_step_dir(cfg.src))["base"].get("path"))
+    elif cfg.adapter is not None:
+        lm, both = load_model(cfg.src, adapter=cfg.adapter, merged=False)
+        base_name = str(cfg.src)
+    else:
+        raise ValueError(f"--to peft needs LoRA adapters: --src {cfg.src} is no LoRA run (mff.recipes.finetune --lora.r) and no "
+                         "--adapter was given")
+    _, adapters = split_params(both)
+    out = save_peft(lm, adapters, dst, base_model_name_or_path=base_name, dtype=dtype)
+    n = sum(t.numel() for t in adapters.values())
+    print(f"wrote {out} (PEFT LoRA adapter: r {lm.lora.r}, alpha {lm.lora.alpha:g} on {len(lm.lora.targets)} weights, {n:,} params)")
     return out
 
 

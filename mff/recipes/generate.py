@@ -4,15 +4,15 @@
         --top-k K --top-p P --chat]
 
 ``--ckpt`` is an HF model folder (tokenizer.json and tokenizer_config.json beside the weights),
-an mff checkpoint (the pretraining run folder holds the run's tokenizer.json) or a .gguf file
-(tokenizer and chat template from its metadata). ``--chat`` wraps the prompt in the tokenizer's
+an mff checkpoint (the pretraining run folder holds the run's tokenizer.json; a fine-tuning run
+also its chat template) or a .gguf file (tokenizer and chat template from its metadata).
+``--adapter`` adds a LoRA adapter (a PEFT folder or an mff LoRA run) to the weights. ``--chat`` wraps the prompt in the tokenizer's
 chat template (jinja2). Decoding uses the KV cache (:func:`mff.generate.generate`); greedy by
 default (``--temperature 0``).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +20,14 @@ from typing import Literal
 
 import torch
 import tyro
-from tokenizers import Tokenizer
 
 from mff.backend import DeviceUnavailable, resolve_device
-from mff.ckpt.autoload import checkpoint_kind, load, load_gguf, resolve_mff_step_dir, tokenizer_folder
-from mff.ckpt.checkpoint import CheckpointError, read_meta
+from mff.ckpt.autoload import checkpoint_kind, load_gguf
+from mff.ckpt.checkpoint import CheckpointError
+from mff.ckpt.tokenizer_files import load_text_assets, read_tokenizer
 from mff.data.chat import render_chat_template
-from mff.data.tokenizer import find_eod_id
 from mff.generate import generate
+from mff.peft.load import load_model, merge_adapter
 from mff.recipes.common import fail
 from mff.sampling import SamplingConfig
 
@@ -64,6 +64,8 @@ class GenerateConfig:
     """--chat: a system message."""
     tokenizer: str | None = None
     """A tokenizer.json to use instead of the checkpoint's."""
+    adapter: str | None = None
+    """A LoRA adapter for --ckpt: a PEFT adapter folder or an mff LoRA run (merged into the weights before generating)."""
     device: str | None = None
     """cpu, cuda, npu or auto (default: $MF_DEVICE_TYPE, else auto)."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
@@ -74,92 +76,23 @@ class GenerateConfig:
     """Compile the decode step with torch.compile (about 20 s once; then 3x faster decoding on CPU)."""
 
 
-@dataclass
-class _Text:
-    tokenizer: Tokenizer
-    chat_template: str | None
-    bos_token: str | None
-    eos_token: str | None
-    eos_ids: list[int]
-
-
-def _special(value) -> str | None:
-    if isinstance(value, dict):  # HF AddedToken serialisation
-        return value.get("content")
-    return value
-
-
-def _hf_text(folder: Path, hf_config: dict) -> _Text:
-    tok_file = folder / "tokenizer.json"
-    if not tok_file.is_file():
-        raise FileNotFoundError(f"{folder} has no tokenizer.json; pass --tokenizer PATH")
-    tok_cfg = {}
-    if (folder / "tokenizer_config.json").is_file():
-        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    template = tok_cfg.get("chat_template")
-    if template is None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
-    eos = hf_config.get("eos_token_id")
-    if (folder / "generation_config.json").is_file():
-        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id", eos)
-    return _Text(_read_tokenizer(tok_file), template, _special(tok_cfg.get("bos_token")), _special(tok_cfg.get("eos_token")),
-                 _as_list(eos))
-
-
-def _read_tokenizer(path: Path) -> Tokenizer:
-    if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file {path} does not exist or is not a file")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception
-        raise ValueError(f"{path} is not a tokenizer.json the tokenizers library can read: {e}") from None
-
-
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    return [int(x)] if isinstance(x, int) else [int(i) for i in x]
-
-
 def _load(cfg: GenerateConfig, device: torch.device):
-    """``(model, params, text)`` for --ckpt."""
-    kind = checkpoint_kind(cfg.ckpt)
+    """``(model, params, text)`` for --ckpt (and --adapter: merged into the weights)."""
     dtype = DTYPES[cfg.dtype]
     path = Path(cfg.ckpt)
-    if kind == "gguf":
+    if checkpoint_kind(path) == "gguf":
         model, params, g = load_gguf(path, device, dtype)
-        if g.tokenizer is None and cfg.tokenizer is None:
-            raise ValueError(f"{path} holds no tokenizer; pass --tokenizer PATH")
-        text = _Text(g.tokenizer, g.chat_template, g.bos_token, g.eos_token, _as_list(g.config.get("eos_token_id")))
-    elif kind in ("hf", "mindspore"):
-        model, params = load(path, device, dtype)
-        folder = path if path.is_dir() else path.parent  # a MindSpore .ckpt file: its config.json and tokenizer are beside it
-        hf_config = json.loads((folder / "config.json").read_text())
-        if (folder / "tokenizer.json").is_file() or cfg.tokenizer is None:
-            text = _hf_text(folder, hf_config)
-        else:
-            text = _Text(None, None, None, None, _as_list(hf_config.get("eos_token_id")))
+        text = load_text_assets(path, gguf=g)
+        if cfg.adapter is not None:
+            model, params = merge_adapter(model, params, cfg.adapter)
     else:
-        model, params = load(path, device, dtype)
-        step = resolve_mff_step_dir(path)
-        tok_file = tokenizer_folder(path) / "tokenizer.json"
-        if not tok_file.is_file() and cfg.tokenizer is None:
-            raise FileNotFoundError(f"no tokenizer.json in {step} or {step.parent}; pass --tokenizer PATH")
-        tok = _read_tokenizer(tok_file) if tok_file.is_file() else None
-        # an mff run stops at its data's end-of-document token (not at a config id meant for another tokenizer)
-        eod = ((read_meta(step).get("run") or {}).get("data") or {}).get("eod_token")
-        text = _Text(tok, None, None, None, [])
-        if tok is not None:
-            try:
-                text.eos_ids = [find_eod_id(tok, eod)]
-            except ValueError:
-                pass
+        model, params = load_model(path, device, dtype, adapter=cfg.adapter)  # an mff LoRA run comes merged
+        text = load_text_assets(path)
     if cfg.tokenizer is not None:
-        text.tokenizer = _read_tokenizer(Path(cfg.tokenizer))
-    if text.eos_token is not None:
-        eid = text.tokenizer.token_to_id(text.eos_token)
-        if eid is not None and eid not in text.eos_ids:
-            text.eos_ids.append(eid)
+        text.tokenizer = read_tokenizer(Path(cfg.tokenizer))
+        text.add_eos_token_id()
+    if text.tokenizer is None:
+        raise FileNotFoundError(f"{cfg.ckpt} comes with no tokenizer (no tokenizer.json); pass --tokenizer PATH")
     return model, params, text
 
 

@@ -124,6 +124,7 @@ class _Tree:
         self.tree, self.where = tree, where
         self.used: set[str] = set()
         self.reasons: dict[str, str] = {}
+        self.notes: list[str] = []  # parts of used values left out (a list item, a regex alternative), listed with the ignored keys
 
     def get(self, path: str, default: Any = None, use: bool = True) -> Any:
         node: Any = self.tree
@@ -173,7 +174,7 @@ class _Tree:
                 continue
             reason = next((self.reasons[".".join(parts[:i])] for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in self.reasons), None)
             out.append(f"{leaf} ({reason})" if reason else leaf)
-        return out
+        return out + self.notes
 
     def error(self, path: str, msg: str) -> ValueError:
         return ValueError(f"{self.where}: {path}: {msg}")
@@ -361,8 +362,20 @@ def _data_loader(t: _Tree) -> tuple[str | None, dict]:
     return None, {}
 
 
-def translate(path: str) -> Translation:
-    """The mff pretrain flags a MindFormers pretraining YAML stands for (see the module docstring).
+def _loadable(path: str) -> str | None:
+    from mff.ckpt.autoload import checkpoint_kind
+
+    try:
+        checkpoint_kind(path)
+        return None
+    except (FileNotFoundError, ValueError) as e:
+        return str(e)
+
+
+def translate(path: str, recipe: str = "pretrain") -> Translation:
+    """The mff flags a MindFormers YAML stands for (see the module docstring): pretraining
+    flags, or with ``recipe="finetune"`` the flags of ``mff.recipes.finetune`` (weights, LoRA and
+    the fine-tuning data loader: :mod:`mff.recipes.mindformers_finetune`).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -370,7 +383,35 @@ def translate(path: str) -> Translation:
             lr schedule, optimizer or dataset loader type mff cannot map (names the key and the
             supported types); a value of the wrong kind (names its dotted path).
     """
+    if recipe not in ("pretrain", "finetune"):
+        raise ValueError(f"recipe {recipe!r}; expected pretrain or finetune")
     t = _load(path)
+    finetune = recipe == "finetune"
+    flags: list[str] = []
+    if finetune:
+        from mff.recipes import mindformers_finetune as ft
+
+        flags += ft.weights_flags(t, _loadable)
+        if not flags:
+            print(f"notice: {t.where} names no checkpoint mff can load here (load_checkpoint, pretrained_model_dir); pass --init-from",
+                  file=sys.stderr)
+        flags += ft.lora_flags(t)
+        for key in ("model.model_config", "model.arch", "trainer.model_name"):
+            t.skip(key, "the model config comes from the --init-from checkpoint")
+        if t.get("run_mode", use=False) in ("finetune", "train"):
+            t.used.add("run_mode")
+        if not isinstance(t.get("train_dataset", use=False), dict):
+            print(f"notice: {t.where} has no train_dataset; pass --data.path", file=sys.stderr)
+    else:
+        flags += _pretrain_model_flags(t)
+        if t.get("run_mode", use=False) == "finetune":
+            t.skip("run_mode", "a finetune YAML: run it with python -m mff.recipes.finetune --from-mindformers-yaml")
+    _run_flags(t, flags, finetune)
+    return Translation(flags, t.ignored())
+
+
+def _pretrain_model_flags(t: _Tree) -> list[str]:
+    """``--model FAMILY --size S --model.*`` from the YAML's model config (pretraining)."""
     flags: list[str] = []
     if not isinstance(t.get("model.model_config", use=False), dict) and not t.get("pretrained_model_dir", use=False):
         raise ValueError(f"{t.where}: no model.model_config mapping and no pretrained_model_dir; the YAML must describe the model")
@@ -394,7 +435,12 @@ def translate(path: str) -> Translation:
                 t.used.add(path)
             elif got is not None:
                 t.skip(path, f"mff's {family} always uses {want}")
+    return flags
 
+
+def _run_flags(t: _Tree, flags: list[str], finetune: bool) -> None:
+    """Append the run's flags (sequence, precision, batch and parallel sizes, optimizer, steps
+    and schedule, data, folders) to ``flags``."""
     if t.get("trainer.type", use=False) == "CausalLanguageModelingTrainer":
         t.used.add("trainer.type")  # pretraining, what this recipe does
 
@@ -483,6 +529,10 @@ def translate(path: str) -> Translation:
         t.used.add(f"{dl_path}.sizes")
     if steps is not None:
         flags += ["--steps", str(steps)]
+    elif finetune and t.get("runner_config.epochs", use=False) is not None:
+        flags += ["--epochs", repr(_number(t, "runner_config.epochs", t.get("runner_config.epochs")))]
+        if total == -1:
+            t.used.add(f"{sched_root}.total_steps")
     elif t.get("runner_config.epochs", use=False) is not None:
         t.skip("runner_config.epochs", "mff counts --steps; set lr_schedule.total_steps")
     sched = t.get(f"{sched_root}.type")
@@ -500,6 +550,8 @@ def translate(path: str) -> Translation:
     ratio = t.get(f"{sched_root}.warmup_ratio")
     if warm is not None:
         flags += ["--optim.warmup-steps", str(_int(t, f"{sched_root}.warmup_steps", warm, low=0))]
+    elif ratio is not None and finetune:
+        flags += ["--warmup-ratio", repr(_number(t, f"{sched_root}.warmup_ratio", ratio))]
     elif ratio is not None:
         from mff.recipes.pretrain import PretrainConfig
 
@@ -540,16 +592,22 @@ def translate(path: str) -> Translation:
                 seed = data_seed
             if t.get(f"{dl_path}.datasets_type", use=False) == "GPTDataset":
                 t.used.add(f"{dl_path}.datasets_type")
+        elif kind == "HFDataLoader" and finetune:
+            from mff.recipes import mindformers_finetune as ft
+
+            flags += ft.hf_loader_flags(t, dl_path, dl, seq)
         elif kind == "MindDataset":
             d = t.get(f"{dl_path}.dataset_dir")
             if d is None:
                 raise t.error(f"{dl_path}.dataset_dir", "a MindDataset needs dataset_dir (the .mindrecord file or folder)")
             flags += ["--data.path", str(d)]
+        elif kind == "HFDataLoader":
+            raise t.error(f"{dl_path}.type", "HFDataLoader is a fine-tuning loader: run the YAML with python -m mff.recipes.finetune")
         else:
             raise t.error(f"{dl_path}.type", f"{kind!r} is not supported; mff reads BlendedMegatronDatasetDataLoader (.bin/.idx) and "
-                                             "MindDataset (MindRecord) data")
+                                             "MindDataset (MindRecord) data" + (", and HFDataLoader json files" if finetune else ""))
         sh = t.get(f"{dl_path}.shuffle")
-        if sh is not None:
+        if sh is not None and not (finetune and kind == "HFDataLoader"):
             flags += ["--data.shuffle" if sh else "--data.no-shuffle"]
     if seed is not None:
         flags += ["--seed", str(_int(t, "seed", seed, low=0))]
@@ -559,20 +617,17 @@ def translate(path: str) -> Translation:
     if out:
         flags += ["--ckpt-dir", str(out)]
     ckpt = t.get("load_checkpoint", use=False)
-    if ckpt:
-        from mff.ckpt.autoload import checkpoint_kind
-
-        try:
-            checkpoint_kind(str(ckpt))
+    if ckpt and not finetune:  # (finetune: see mindformers_finetune.weights_flags)
+        err = _loadable(str(ckpt))
+        if err is None:
             t.used.add("load_checkpoint")
             flags += ["--init-from", str(ckpt)]
-        except (FileNotFoundError, ValueError) as e:
-            t.skip("load_checkpoint", f"not loadable by --init-from here: {e}")
+        else:
+            t.skip("load_checkpoint", f"not loadable by --init-from here: {err}")
     if t.get("recompute_config.recompute"):
         flags += ["--ac", "full"]
     elif t.get("recompute_config.select_recompute"):
         flags += ["--ac", "selective"]
-    return Translation(flags, t.ignored())
 
 
 def _split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -593,7 +648,7 @@ def _split_argv(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def expand_argv(argv: list[str]) -> list[str]:
+def expand_argv(argv: list[str], recipe: str = "pretrain") -> list[str]:
     """``argv`` with ``--from-mindformers-yaml PATH`` replaced by the flags PATH translates to,
     placed before the other flags so those win. Prints (rank 0) the mff command and the ignored
     YAML keys. ``argv`` without the flag comes back unchanged.
@@ -604,9 +659,9 @@ def expand_argv(argv: list[str]) -> list[str]:
     path, rest = _split_argv(list(argv))
     if path is None:
         return list(argv)
-    tr = translate(path)
+    tr = translate(path, recipe)
     new = tr.flags + rest
     if os.environ.get("RANK", "0") == "0":
-        print("mff command: " + shlex.join(["python", "-m", "mff.recipes.pretrain", *new]), flush=True)
+        print("mff command: " + shlex.join(["python", "-m", f"mff.recipes.{recipe}", *new]), flush=True)
         print(f"ignored MindFormers keys ({len(tr.ignored)}):" + "".join(f"\n  {k}" for k in tr.ignored), flush=True)
     return new

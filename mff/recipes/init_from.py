@@ -1,0 +1,95 @@
+"""Starting a run from existing weights (``--init-from``) and keeping its tokenizer: shared by
+the training recipes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from mff import ckpt
+from mff.ckpt.autoload import checkpoint_kind, tokenizer_folder
+from mff.models import get_family
+from mff.models.common import config_from_dict
+from mff.peft.load import load_model
+from mff.train.log import print0
+
+__all__ = ["write_text_atomic", "save_tokenizer", "checkpoint_tokenizer", "prepare_init", "apply_init"]
+
+
+def save_tokenizer(ckpt_dir: str, tokenizer) -> None:
+    """Keep the run's tokenizer as ``CKPT_DIR/tokenizer.json`` (for ``mff.recipes.generate``),
+    written once, atomically."""
+    path = Path(ckpt_dir) / "tokenizer.json"
+    if not path.exists():
+        write_text_atomic(path, tokenizer.to_str())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def checkpoint_tokenizer(path: str, dst: Path) -> bool:
+    """Copy the tokenizer that comes with the ``--init-from`` checkpoint to ``dst``: an HF
+    folder's tokenizer.json, an mff run's tokenizer.json, or a GGUF file's tokenizer. False
+    when it has none."""
+    if checkpoint_kind(path) == "gguf":
+        from mff.ckpt.gguf import read_gguf
+
+        tok = read_gguf(path).tokenizer
+        text = tok.to_str() if tok is not None else None
+    else:
+        src = tokenizer_folder(path) / "tokenizer.json"
+        text = src.read_text() if src.is_file() else None
+    if text is None:
+        return False
+    write_text_atomic(dst, text)
+    return True
+
+
+def prepare_init(argv: list[str], default_ckpt_dir: str):
+    """Pre-parse ``--init-from`` (the checkpoint decides the model config before tyro parses the
+    rest). Returns ``(base, params, tokenizer)``: ``base`` = ``(family, config)`` for
+    :func:`parse_model_args`, the weights to start from (None when ``--ckpt-dir`` already holds
+    a checkpoint: that run resumes instead), and the tokenizer.json the data must use.
+    ``default_ckpt_dir``: the recipe's ``--ckpt-dir`` default."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--init-from", default=None)
+    pre.add_argument("--ckpt-dir", default=default_ckpt_dir)
+    pre.add_argument("--data.tokenizer", dest="tokenizer", default=None)
+    pre.add_argument("-h", "--help", action="store_true")
+    known = pre.parse_known_args(list(argv))[0]
+    if known.init_from is None or known.help:
+        return None, None, None
+    checkpoint_kind(known.init_from)  # a missing or unrecognised path is an error even when resuming
+    tok_path = Path(known.ckpt_dir) / "tokenizer.json"
+    last = ckpt.latest_step_dir(known.ckpt_dir)
+    if last is not None:
+        meta = ckpt.read_meta(last, required=("family", "config"))
+        family = get_family(meta["family"])
+        print0(f"--init-from {known.init_from} not loaded: {known.ckpt_dir} holds a checkpoint, which this run resumes")
+        tokenizer = known.tokenizer or (str(tok_path) if tok_path.is_file() else None)
+        return (family.name, config_from_dict(family.config_cls, meta["config"])), None, tokenizer
+    model, params = load_model(known.init_from, dtype=torch.float32)  # a LoRA run comes merged
+    # every rank writes the same file (atomic replace), so no rank reads a partial one
+    if known.tokenizer is None and not checkpoint_tokenizer(known.init_from, tok_path):
+        raise ValueError(f"--init-from {known.init_from} comes with no tokenizer (no tokenizer.json); pass "
+                         "--data.tokenizer with the tokenizer the weights were trained with")
+    return (model.family.name, model.config), params, known.tokenizer or str(tok_path)
+
+
+def apply_init(params, loaded, where: str):
+    """Copy ``loaded`` (plain tensors) onto the placements of ``params``; shapes must match and
+    every loaded tensor must be used (a --model.* override that drops layers is refused)."""
+    unused = sorted(set(loaded) - set(params))
+    if unused:
+        raise ckpt.CheckpointError(f"{where} has {len(unused)} tensors this model does not, e.g. {unused[:4]}: the --model.* "
+                                   "overrides change the architecture; drop them")
+    for name, like in params.items():
+        params[name] = ckpt.place_like(name, loaded.get(name), like, where)
+    return params
