@@ -133,21 +133,27 @@ def child_prep(job: dict) -> dict:
     return out
 
 
-def child_hf(job: dict) -> dict:
-    torch = _setup(job["threads"])
-    import contextlib
-
+def load_hf_model(torch, job: dict, cfg):
+    """The config's HF checkpoint (written by :func:`child_prep`) in fp32 with sdpa attention and,
+    for MoE, ``experts_implementation="grouped_mm"``; returns ``(model, experts implementation)``."""
     import transformers
 
-    from bench.configs import CONFIGS
-
-    family, cfg = CONFIGS[job["config"]]
     kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     if getattr(cfg, "n_routed_experts", 0):
         kwargs["experts_implementation"] = "grouped_mm"
     hf = transformers.AutoModelForCausalLM.from_pretrained(Path(job["dir"]) / job["config"], **kwargs)
+    return hf, (hf.config._experts_implementation if "experts_implementation" in kwargs else "n/a (dense)")
+
+
+def child_hf(job: dict) -> dict:
+    torch = _setup(job["threads"])
+    import contextlib
+
+    from bench.configs import CONFIGS
+
+    family, cfg = CONFIGS[job["config"]]
+    hf, experts = load_hf_model(torch, job, cfg)
     hf.train()
-    experts = hf.config._experts_implementation if "experts_implementation" in kwargs else "n/a (dense)"
     ids = _token_ids(torch, cfg.vocab_size, job["batch"], job["seq"])
     x = ids[:, :-1].contiguous()
     bf16 = job["precision"] == "bf16"
@@ -224,10 +230,10 @@ def run_child(job: dict) -> None:
 
 # ---- parent ----------------------------------------------------------------------------------
 
-def spawn(job: dict, threads: int) -> dict:
-    """Run ``job`` in a fresh interpreter; its RESULT line as a dict, or {"error": ...}."""
+def spawn(job: dict, threads: int, script: str = __file__) -> dict:
+    """Run ``job`` in a fresh interpreter (``script --child JOB``); its RESULT line as a dict, or {"error": ...}."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, script, "--child", json.dumps(job)], capture_output=True, text=True, env=env, cwd=ROOT)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
@@ -239,12 +245,12 @@ def spawn(job: dict, threads: int) -> dict:
 
 
 class RowProcess:
-    """One (config, row) child waiting for step commands (see :func:`serve`)."""
+    """One (config, row) child (``script --child JOB``) waiting for step commands (see :func:`serve`)."""
 
-    def __init__(self, job: dict, threads: int):
+    def __init__(self, job: dict, threads: int, script: str = __file__):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         self.job = job
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(job)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, script, "--child", json.dumps(job)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self.error = None
         self.first_loss: float | None = None
@@ -284,6 +290,25 @@ class RowProcess:
         out = self._expect(RESULT)
         self.proc.wait()
         return json.loads(out) if out is not None else {"error": self.error}
+
+
+def run_rows(jobs: dict[str, dict], threads: int, steps: int, warmup: int, script: str = __file__) -> tuple[dict, dict]:
+    """Start one :class:`RowProcess` per row (``jobs``: row -> job), all alive at once; each does
+    its ``warmup`` untimed steps (compile time is paid here), then they take turns, one timed step
+    each, ``steps`` rounds, so a change in the machine's speed hits every row alike. Returns
+    ``(processes, step times)`` per row (a failed row has fewer times; finish the processes)."""
+    procs = {}
+    for row, job in jobs.items():
+        procs[row] = RowProcess(job, threads, script)
+        for _ in range(warmup):
+            procs[row].step()
+    times: dict = {row: [] for row in jobs}
+    for _ in range(steps):
+        for row in jobs:
+            out = procs[row].step()
+            if out is not None:
+                times[row].append(out[0])
+    return procs, times
 
 
 def median(xs: list[float]) -> float:
@@ -337,21 +362,9 @@ def main() -> None:
         if "error" in prep:
             sys.exit("could not write the HF checkpoints: " + prep["error"])
         for name in args.configs:
-            # one child per row, all alive at once; they take turns, one step at a time, so a
-            # change in the machine's speed during the run hits every row alike
-            procs = {}
-            for row in rows:
-                impl, precision, compile_ = ROWS[row]
-                job = dict(base, kind=row.split("-")[0], config=name, row=row, precision=precision, compile=compile_, dir=d)
-                procs[row] = RowProcess(job, args.threads)
-                for _ in range(args.warmup):  # compile time is paid here
-                    procs[row].step()
-            times: dict = {row: [] for row in rows}
-            for _ in range(args.steps):
-                for row in rows:
-                    out = procs[row].step()
-                    if out is not None:
-                        times[row].append(out[0])
+            jobs = {row: dict(base, kind=row.split("-")[0], config=name, row=row, precision=ROWS[row][1], compile=ROWS[row][2], dir=d)
+                    for row in rows}
+            procs, times = run_rows(jobs, args.threads, args.steps, args.warmup)
             for row in rows:
                 impl, precision, _ = ROWS[row]
                 r = procs[row].finish()

@@ -142,81 +142,15 @@ def test_chitchat_dialogues_train(base, tmp_path):
     assert "80 rows" in r.stdout and "truncated" in r.stdout and "val_loss" in r.stdout
 
 
-YAML = """\
-seed: 42
-output_dir: '{out}'
-load_checkpoint: ''
-run_mode: 'finetune'
-use_legacy: False
-pretrained_model_dir: "{base}"
-trainer:
-  type: CausalLanguageModelingTrainer
-  model_name: 'Qwen3'
-runner_config:
-  epochs: 1
-  batch_size: 2
-  gradient_accumulation_steps: 1
-optimizer:
-  type: AdamW
-  betas: [0.9, 0.95]
-  eps: 1.e-8
-  weight_decay: 0.0
-lr_schedule:
-  type: ConstantWarmUpLR
-  learning_rate: 1.e-4
-  warmup_ratio: 0
-  total_steps: -1
-train_dataset: &train_dataset
-  input_columns: ["input_ids", "labels", "loss_mask", "position_ids"]
-  data_loader:
-    type: HFDataLoader
-    load_func: 'load_dataset'
-    path: "json"
-    data_files: '{data}'
-    split: "train"
-    create_attention_mask: False
-    shuffle: False
-    handler:
-      - type: take
-        n: 20
-      - type: AlpacaInstructDataHandler
-        seq_length: 384
-        padding: False
-        tokenizer:
-          trust_remote_code: True
-          padding_side: 'right'
-      - type: PackingHandler
-        seq_length: 384
-        pack_strategy: 'pack'
-parallel_config:
-  data_parallel: 1
-  model_parallel: 1
-  micro_batch_num: 1
-recompute_config:
-  recompute: False
-model:
-  model_config:
-    params_dtype: "float32"
-    compute_dtype: "float32"
-    qkv_concat: True
-    pet_config:
-      pet_type: lora
-      lora_rank: 8
-      lora_alpha: 16
-      lora_dropout: 0.0
-      lora_a_init: 'normal'
-      lora_b_init: 'zeros'
-      target_modules: '.*word_embeddings|.*linear_qkv|.*linear_proj|.*linear_fc1|.*linear_fc2'
-      freeze_include: ['*']
-      freeze_exclude: ['*lora*']
-"""
+YAML = Path(__file__).parent / "data" / "mindformers" / "finetune_qwen3_lora.yaml"
 
 
 def test_mindformers_finetune_yaml(base, tmp_path):
     data = write_rows(tmp_path / "alpaca.json", 30, "alpaca")
     data.write_text(json.dumps([json.loads(x) for x in data.read_text().splitlines()]))
     cfg = tmp_path / "finetune_qwen3.yaml"
-    cfg.write_text(YAML.format(out=tmp_path / "out", base=base, data=data))
+    text = YAML.read_text().replace("./output", str(tmp_path / "out")).replace("/path/to/Qwen3", str(base))
+    cfg.write_text(text.replace("/path/to/alpaca_data.json", str(data)))
     r = run_finetune(["--from-mindformers-yaml", str(cfg), "--threads", "1"], tmp_path)
     assert r.returncode == 0, r.stderr
     cmd = next(line for line in r.stdout.splitlines() if line.startswith("mff command:"))

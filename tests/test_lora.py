@@ -108,7 +108,7 @@ def test_only_adapters_train(family):
     ids = _ids(T=16)
     for _ in range(2):
         train_step(lm, both, state, [{"input_ids": ids, "labels": torch.roll(ids, -1, 1)}], 1e-2, cfg)
-    for k, v in params.items():
+    for k in params:
         assert torch.equal(both[k], base_before[k]), k
     assert all(float(both[k].abs().max()) > 0 for k in adapters if k.endswith(".lora_B"))
 

@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from mff.ckpt import fp8
 from mff.ckpt.safetensors_io import SafetensorsFolder, write_sharded
+from mff.ckpt.staging import staged_folder
 from mff.model import Family, Model
 from mff.models import family_for_model_type
 
@@ -359,21 +359,10 @@ def save_hf(model: Model, params: Mapping[str, torch.Tensor], out_dir: str | os.
     hf["dtype"] = _DTYPE_NAMES.get(main, "float32")
     items = hf_state_names(model, cpu)
     getters = {name: get for name, _, _, get in items}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
+    with staged_folder(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
         write_sharded(tmp, [(n, s, d) for n, s, d, _ in items], lambda n: getters[n](), max_shard_size,
                       metadata={"format": "pt"}, progress=progress)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -29,7 +29,7 @@ from mff.data.loader import Loader, eval_bounds
 from mff.data.sft_encode import TRAIN_ON, ChatTemplateEncoder, Encoded, MindFormersAlpacaEncoder
 from mff.data.sft_rows import FORMATS, Row, read_rows, to_messages
 
-__all__ = ["SFTDataConfig", "SFTExamples", "SFTData", "SFTLoader", "build_sft_data", "pack_examples", "sft_eval_batches"]
+__all__ = ["SFTDataConfig", "SFTExamples", "SFTData", "SFTLoader", "build_sft_data", "held_out", "pack_examples", "sft_eval_batches"]
 
 IGNORE = -100
 
@@ -161,6 +161,17 @@ def _is_val(key: str, permille: int) -> bool:
     return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") % 1000 < permille
 
 
+def held_out(rows: list[Row], val_permille: int) -> list[bool]:
+    """Per row, whether it is held out: ``sha1(row.key) mod 1000 < val_permille``; never every
+    row, and at least one row when ``val_permille`` > 0 and there are two or more."""
+    flags = [_is_val(r.key, val_permille) for r in rows]
+    if val_permille and not any(flags) and len(rows) > 1:
+        flags[-1] = True
+    if flags and all(flags):
+        flags[0] = False
+    return flags
+
+
 def _encoder(cfg: SFTDataConfig, tokenizer, chat_template: str | None, bos: str | None, eos: str | None):
     if cfg.template == "mindformers-alpaca":
         return MindFormersAlpacaEncoder(tokenizer)
@@ -203,11 +214,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer, seq_len: int, chat_template: s
     enc = _encoder(cfg, tokenizer, chat_template, bos_token, eos_token)
     counts = {"rows": len(rows), "truncated": 0, "dropped": 0, "merges": 0}
     split: dict[str, list[dict[str, np.ndarray]]] = {"train": [], "val": []}
-    val_flags = [_is_val(r.key, cfg.val_permille) for r in rows]
-    if cfg.val_permille and not any(val_flags) and len(rows) > 1:
-        val_flags[-1] = True  # a held-out split is never empty (unless there is one row only)
-    if all(val_flags):
-        val_flags[0] = False  # nor does it take every row
+    val_flags = held_out(rows, cfg.val_permille)
     for row, is_val in zip(rows, val_flags):
         e = _encode_row(enc, cfg, row)
         counts["merges"] += e.merges

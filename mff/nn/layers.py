@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mff.backend import ops
-from mff.nn.lora import lora_input, low_rank, slot_name
+from mff.nn.lora import add_low_rank, lora_input, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, reduce_from_tp, tp_shard
 
@@ -69,7 +69,7 @@ class Linear(nn.Module):
             b = gather(self.bias) if self.bias is not None else None
             y = linear(x_BTD, gather(self.weight), b)
             if lora is not None:
-                y = y + low_rank(lora_input(x_BTD, lora), gather(lora.A), gather(lora.B), lora.scale)
+                y = add_low_rank(y, F.linear(lora_input(x_BTD, lora), gather(lora.A)), gather(lora.B), lora.scale)
             return y
         w = gather(self.weight, keep=(TP_AXIS,))
         if split.dim == 0:
@@ -77,14 +77,14 @@ class Linear(nn.Module):
             y = linear(copy_to_tp(x_BTD, split.group), w, b)
             if lora is not None:  # A whole on every rank, B split like the weight's rows
                 z = copy_to_tp(F.linear(lora_input(x_BTD, lora), gather(lora.A)), split.group)
-                y = y + F.linear(z, gather(lora.B, keep=(TP_AXIS,))) * lora.scale
+                y = add_low_rank(y, z, gather(lora.B, keep=(TP_AXIS,)), lora.scale)
             return y
         y = linear(x_BTD, w)
         if lora is not None:  # A split like the weight's columns, B whole: the rank-r partial sums are all-reduced
             z = reduce_from_tp(F.linear(lora_input(x_BTD, lora), gather(lora.A, keep=(TP_AXIS,))), split.group)
         y = reduce_from_tp(y, split.group)
         if lora is not None:
-            y = y + F.linear(z, gather(lora.B)) * lora.scale
+            y = add_low_rank(y, z, gather(lora.B), lora.scale)
         return y + gather(self.bias) if self.bias is not None else y
 
 

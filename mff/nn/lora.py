@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LoRAFactors", "attach_lora", "slot_name", "adapter_path", "skeleton_path", "lora_input", "low_rank", "delta_weight"]
+__all__ = ["LoRAFactors", "attach_lora", "slot_name", "adapter_path", "skeleton_path", "lora_input", "low_rank", "add_low_rank", "delta_weight"]
 
 SUFFIX_A, SUFFIX_B = ".lora_A", ".lora_B"
 
@@ -94,6 +94,14 @@ def lora_input(x: torch.Tensor, f: LoRAFactors) -> torch.Tensor:
 def low_rank(x: torch.Tensor, a_RD: torch.Tensor, b_FR: torch.Tensor, scale: float) -> torch.Tensor:
     """``s (x A^T) B^T``: ``x`` [..., D], ``A`` [r, D], ``B`` [F, r] -> [..., F]."""
     return F.linear(F.linear(x, a_RD), b_FR) * scale
+
+
+def add_low_rank(y: torch.Tensor, z: torch.Tensor, b_FR: torch.Tensor, scale: float) -> torch.Tensor:
+    """``y + s z B^T`` as one ``addmm`` (one new [..., F] tensor, where ``y + (z B^T) * s``
+    makes three): ``y`` [..., F], ``z`` [..., r] (the input's rank-r activations ``x A^T``),
+    ``B`` [F, r]."""
+    f, r = y.shape[-1], z.shape[-1]
+    return torch.addmm(y.reshape(-1, f), z.reshape(-1, r), b_FR.t(), alpha=scale).view(y.shape)
 
 
 def delta_weight(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

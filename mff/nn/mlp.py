@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mff.nn.layers import Linear, linear
-from mff.nn.lora import lora_input, slot_name
+from mff.nn.lora import add_low_rank, lora_input, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, tp_shard
 
@@ -66,6 +66,6 @@ class FusedGatedMLP(nn.Module):
         if lora is not None:  # B gathered and cut like the weight; the rank-r activations' gradient summed over tp
             z = copy_to_tp(F.linear(lora_input(x, lora), gather(lora.A)), split.group)
             b_gate, b_up = gather(lora.B, partial=(TP_AXIS,)).chunk(2, dim=0)
-            gate = gate + F.linear(z, b_gate[start:stop]) * lora.scale
-            up = up + F.linear(z, b_up[start:stop]) * lora.scale
+            gate = add_low_rank(gate, z, b_gate[start:stop], lora.scale)
+            up = add_low_rank(up, z, b_up[start:stop], lora.scale)
         return self.down_proj(F.silu(gate) * up)

@@ -174,7 +174,7 @@ def _grouped_low_rank(mm, x_SD: torch.Tensor, lora: ExpertLoRA, counts: list[int
     [E, F, D] delta."""
     if lora.dropout > 0 and torch.is_grad_enabled():
         x_SD = F.dropout(x_SD, lora.dropout, training=True)
-    return mm(mm(x_SD, lora.A.transpose(1, 2), counts), lora.B.transpose(1, 2), counts) * lora.scale
+    return mm(mm(x_SD, (lora.A * lora.scale).transpose(1, 2), counts), lora.B.transpose(1, 2), counts)  # s on the small A
 
 
 def _expert_mlp(x_SD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, counts: list[int],

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from mff.ckpt.safetensors_io import write_safetensors
+from mff.ckpt.staging import staged_folder
 from mff.model import LoRASpec, Model
 from mff.nn.lora import adapter_path
 from mff.nn.moe import Experts
@@ -73,7 +73,7 @@ def _layer_suffix(path: str) -> str:
 
 
 def _peft_pattern_value(patterns: dict, keys: list[str], default):
-    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``re.match(rf"(.*\.)?({pattern})$", key)``)."""
+    r"""PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``re.match(rf"(.*\.)?({pattern})$", key)``)."""
     for pattern, value in (patterns or {}).items():
         if any(re.match(rf"(.*\.)?({pattern})$", k) for k in keys):
             return value
@@ -173,19 +173,9 @@ def save_peft(model: Model, adapters: Mapping[str, torch.Tensor], out_dir: str |
         "layers_pattern": None,
         "revision": None,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-{out.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with staged_folder(out) as tmp:
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         write_safetensors(tmp / WEIGHTS, tensors, {"format": "pt"})
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

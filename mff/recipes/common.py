@@ -5,8 +5,9 @@ one-line error exit. Run logging (:mod:`mff.train.log`) and the checkpoint metad
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -16,7 +17,8 @@ from mff.models import FAMILIES, get_family, size_config
 from mff.train.log import RunLog, is_rank0, print0
 from mff.train.state import check_resume_config, config_to_dict, restore_rng, rng_state
 
-__all__ = ["parse_model_args", "RunLog", "config_to_dict", "check_resume_config", "rng_state", "restore_rng", "fail", "print0", "is_rank0"]
+__all__ = ["parse_model_args", "RunLog", "config_to_dict", "check_resume_config", "rng_state", "restore_rng", "fail", "print0", "is_rank0",
+           "run_training_main"]
 
 
 def fail(err: BaseException, code: int) -> int:
@@ -70,3 +72,30 @@ def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, descripti
     default = config_cls(model=model_cfg, size=size) if "size" in fields else config_cls(model=model_cfg)
     cfg = tyro.cli(config_cls[family.config_cls], default=default, args=rest, prog=prog, description=doc)
     return family.name, size, cfg
+
+
+def run_training_main(body: Callable[[], int]) -> int:
+    """Run a training recipe's ``body`` and turn its errors into one-line exits: bad input 2,
+    checkpoint / numeric / OS errors 1; a collective timeout leaves at once (the other ranks are
+    gone or stuck, so tearing the group down could block on them). A process group this call
+    did not find already set up (research code or a test may run a recipe inside its own) is
+    destroyed at the end: leaving gloo's threads to static destruction can abort a rank."""
+    from mff.backend import DeviceUnavailable
+    from mff.ckpt import CheckpointError
+    from mff.parallel.watchdog import CollectiveTimeout
+    from mff.train.step import NonFiniteError
+
+    owns_group = not dist.is_initialized()
+    try:
+        return body()
+    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
+        return fail(e, 2)
+    except (CheckpointError, NonFiniteError, OSError) as e:
+        return fail(e, 1)
+    except CollectiveTimeout as e:
+        fail(e, 1)
+        sys.stdout.flush()
+        os._exit(1)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()

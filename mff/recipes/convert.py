@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from mff.ckpt.checkpoint import CheckpointError, read_meta, remove_stale_tmp, sa
 from mff.ckpt.hf import save_hf
 from mff.ckpt.mindformers import save_mindformers
 from mff.ckpt.safetensors_io import parse_size
+from mff.ckpt.staging import staged_folder
 from mff.peft import save_peft, split_params
 from mff.peft.load import is_lora_run, load_model, merge_adapter
 from mff.recipes.common import config_to_dict, fail
@@ -160,9 +160,7 @@ def convert(cfg: ConvertConfig) -> Path:
         if cfg.to == "hf":
             out = save_hf(model, params, dst, parse_size(cfg.max_shard_size), progress=bar.update, extra_files=extra)
         else:
-            tmp = dst.absolute().with_name(f".tmp-{dst.name}-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
+            with staged_folder(dst) as tmp:
                 if cfg.to == "mff":
                     meta = {"family": model.family.name, "size": "converted", "config": config_to_dict(model.config), "source": str(cfg.src)}
                     save_weights(tmp, params, meta, progress=bar.update)
@@ -172,12 +170,6 @@ def convert(cfg: ConvertConfig) -> Path:
                     bar.update(total)
                 for name, text in extra.items():
                     (tmp / name).write_text(text)
-                if dst.exists():
-                    dst.rmdir()
-                os.replace(tmp, dst)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
             out = dst
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
     print(f"wrote {out} ({model.family.name}, {size} of weights)")
@@ -209,7 +201,7 @@ def _save_mindspore(folder: Path, model, params, cfg: ConvertConfig) -> None:
     """``folder/model.ckpt`` (or MindFormers safetensors shards) in Mcore names + the HF config.json."""
     if model.family.to_hf_config is None:
         raise ValueError(f"family {model.family.name} has no HF config mapping")
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     if cfg.ms_format == "ckpt":
         save_mindformers(folder / "model.ckpt", model, params, format="ckpt")
     else:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mff import ckpt
-from mff.backend import DeviceUnavailable, init_distributed, resolve_device
+from mff.backend import init_distributed, resolve_device
 from mff.ckpt.autoload import checkpoint_kind, load_gguf
 from mff.ckpt.tokenizer_files import TextAssets, load_text_assets, read_tokenizer, text_asset_files
 from mff.data.sft import SFTDataConfig, SFTLoader, build_sft_data, sft_eval_batches
@@ -47,10 +46,10 @@ from mff.models import build, get_family
 from mff.models.common import config_from_dict
 from mff.optim import OptimConfig, init_state
 from mff.parallel import build_mesh, data_parallel_rank, data_parallel_size, placements_of
-from mff.parallel.watchdog import CollectiveTimeout, collective
+from mff.parallel.watchdog import collective
 from mff.peft import LoraConfig, init_adapters, lora_spec
 from mff.peft.load import base_fingerprint, load_model, lora_meta, read_adapter, spec_from_meta
-from mff.recipes.common import config_to_dict, fail, parse_model_args, print0
+from mff.recipes.common import config_to_dict, parse_model_args, print0, run_training_main
 from mff.recipes.init_from import apply_init, write_text_atomic
 from mff.recipes.mindformers_yaml import FLAG as MF_YAML_FLAG
 from mff.recipes.mindformers_yaml import expand_argv as expand_mindformers_argv
@@ -58,7 +57,6 @@ from mff.train.config import TrainConfig
 from mff.train.loop import Loop, check_train_config, memory_check, print_run_header, rank_slices, resumable, resume, train_loop
 from mff.train.metrics import device_peak_flops
 from mff.train.precision import compute_dtype, param_dtype
-from mff.train.step import NonFiniteError
 
 __all__ = ["FinetuneConfig", "main", "run"]
 
@@ -308,27 +306,19 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    owns_group = not dist.is_initialized()
-    try:
-        if any(a == MF_YAML_FLAG or a.startswith(MF_YAML_FLAG + "=") for a in argv):
-            argv = expand_mindformers_argv(argv, recipe="finetune")
-        init = _prepare(argv)
-        family, _, cfg = parse_model_args(FinetuneConfig, argv, prog="python -m mff.recipes.finetune", description=__doc__,
+
+    def body() -> int:
+        args = argv
+        if any(a == MF_YAML_FLAG or a.startswith(MF_YAML_FLAG + "=") for a in args):
+            args = expand_mindformers_argv(args, recipe="finetune")
+        init = _prepare(args)
+        family, _, cfg = parse_model_args(FinetuneConfig, args, prog="python -m mff.recipes.finetune", description=__doc__,
                                           base=init.base if init is not None else None)
         if init is None:  # --help: parse_model_args printed it and exited
             return 0
-        return run(cfg, family, init, argv)
-    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
-        return fail(e, 2)
-    except (ckpt.CheckpointError, NonFiniteError, OSError) as e:
-        return fail(e, 1)
-    except CollectiveTimeout as e:
-        fail(e, 1)
-        sys.stdout.flush()
-        os._exit(1)
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        return run(cfg, family, init, args)
+
+    return run_training_main(body)
 
 
 if __name__ == "__main__":

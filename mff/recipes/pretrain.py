@@ -12,16 +12,14 @@ mff.recipes.mindformers_yaml).
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from mff import ckpt
-from mff.backend import DeviceUnavailable, init_distributed, resolve_device
+from mff.backend import init_distributed, resolve_device
 from mff.data import (
     DataConfig,
     Loader,
@@ -33,8 +31,8 @@ from mff.data.megatron_source import SampleLoader, as_blend, batch_keys, build_m
 from mff.models import build
 from mff.optim import init_state
 from mff.parallel import build_mesh, data_parallel_rank, data_parallel_size, placements_of
-from mff.parallel.watchdog import CollectiveTimeout, collective
-from mff.recipes.common import config_to_dict, fail, parse_model_args, print0
+from mff.parallel.watchdog import collective
+from mff.recipes.common import config_to_dict, parse_model_args, print0, run_training_main
 from mff.recipes.init_from import apply_init, prepare_init, save_tokenizer
 from mff.recipes.mindformers_yaml import FLAG as MF_YAML_FLAG
 from mff.recipes.mindformers_yaml import expand_argv as expand_mindformers_argv
@@ -42,7 +40,6 @@ from mff.train.config import TrainConfig
 from mff.train.loop import Loop, check_train_config, memory_check, print_run_header, rank_slices, resumable, resume, train_loop
 from mff.train.metrics import device_peak_flops
 from mff.train.precision import param_dtype
-from mff.train.step import NonFiniteError
 
 C = TypeVar("C")
 
@@ -139,30 +136,16 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    owns_group = not dist.is_initialized()  # research code or a test may call main() inside its own group
-    try:
-        if any(a == MF_YAML_FLAG or a.startswith(MF_YAML_FLAG + "=") for a in argv):
-            argv = expand_mindformers_argv(argv)
-        base, init_params, tokenizer = prepare_init(argv, PretrainConfig.__dataclass_fields__["ckpt_dir"].default)
-        family, size, cfg = parse_model_args(PretrainConfig, argv, prog="python -m mff.recipes.pretrain", description=__doc__, base=base)
+
+    def body() -> int:
+        args = expand_mindformers_argv(argv) if any(a == MF_YAML_FLAG or a.startswith(MF_YAML_FLAG + "=") for a in argv) else argv
+        base, init_params, tokenizer = prepare_init(args, PretrainConfig.__dataclass_fields__["ckpt_dir"].default)
+        family, size, cfg = parse_model_args(PretrainConfig, args, prog="python -m mff.recipes.pretrain", description=__doc__, base=base)
         if tokenizer is not None and cfg.data.tokenizer is None:
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
         return run(cfg, family, size, init_params)
-    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
-        return fail(e, 2)
-    except (ckpt.CheckpointError, NonFiniteError, OSError) as e:
-        return fail(e, 1)
-    except CollectiveTimeout as e:
-        # the other ranks are gone or stuck: tearing the process group down (or letting the
-        # interpreter do it) can block on them, so leave at once after the message is out
-        fail(e, 1)
-        sys.stdout.flush()
-        os._exit(1)
-    finally:
-        # tear the process group down before the interpreter exits: leaving gloo's threads to
-        # static destruction can abort a rank ("terminate called without an active exception")
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+
+    return run_training_main(body)
 
 
 if __name__ == "__main__":
