@@ -217,3 +217,98 @@ def test_a_failed_start_leaves_no_folder(base, rows, tmp_path):
     out = tmp_path / "out"
     _fails(["--init-from", str(base), "--ckpt-dir", str(out), "--data.path", str(rows), "--seq-len", "100000"], tmp_path, "--seq-len 100000")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3", ["--parallel.tp", "2"]), ("qwen3_moe", ["--parallel.ep", "2"])])
+def test_torchrun_lora_equals_one_process_and_resumes_on_one(family, layout, rows, tmp_path):
+    """The recipe under torchrun (2 processes): the losses of the one-process run, a sharded
+    checkpoint that one process resumes and exports."""
+    from tests.dist_util import torchrun
+
+    base = make_chat_checkpoint(tmp_path / "base", family)
+    args = ["--init-from", str(base), "--data.path", str(rows), "--lora.r", "4", "--steps", "3", "--eval-every", "3", *FAST]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r = run_finetune([*args, "--ckpt-dir", str(one), "--metrics-file", str(one / "m.jsonl")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = torchrun(2, [*args, *layout, "--ckpt-dir", str(two), "--metrics-file", str(two / "m.jsonl")], tmp_path,
+                 target=["-m", "mff.recipes.finetune"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = _metrics(one / "m.jsonl"), _metrics(two / "m.jsonl")
+    for step in (1, 2, 3):
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], abs=1e-5)
+    assert b[3]["val_loss"] == pytest.approx(a[3]["val_loss"], abs=1e-5)
+    assert (ckpt.latest_step_dir(two) / "model-rank00001-of-00002.safetensors").is_file()
+    r = run_finetune([*args[:-len(FAST)], *FAST, "--steps", "4", "--ckpt-dir", str(two)], tmp_path)  # one process continues
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr
+
+
+def test_bf16_lora_run_loads_and_a_changed_base_is_refused(base, rows, tmp_path):
+    """The base fingerprint is the same in fp32 and bf16; it covers every weight, so a base whose
+    MLP weight changed is refused on resume; convert --to peft needs no base."""
+    import shutil
+
+    run = tmp_path / "bf16"
+    args = ["--data.path", str(rows), "--ckpt-dir", str(run), "--lora.r", "4", "--steps", "2", *FAST]
+    r = run_finetune(["--init-from", str(base), *args, "--precision", "bf16-mixed"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    model, merged = mff.load(run)
+    _, merged16 = mff.load(run, dtype=torch.bfloat16)
+    assert merged16["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    changed = tmp_path / "changed"
+    shutil.copytree(base, changed)
+    _, p = mff.load(changed)
+    p["model.layers.1.mlp.down_proj.weight"] += 1.0
+    shutil.rmtree(changed)
+    mff.save_hf(model, p, changed, extra_files={n: (base / n).read_text() for n in ("tokenizer.json", "tokenizer_config.json")})
+    _fails(["--init-from", str(changed), *args, "--precision", "bf16-mixed", "--steps", "3"], tmp_path, "trained on another base", 1)
+    moved = tmp_path / "moved_base"
+    shutil.move(str(base), moved)
+    try:
+        with pytest.raises(ckpt.CheckpointError, match="does not exist here"):
+            mff.load(run)
+        c = subprocess.run([sys.executable, "-m", "mff.recipes.convert", "--src", str(run), "--to", "peft", "--dst", str(tmp_path / "p")],
+                           capture_output=True, text=True, env=cli_env(tmp_path), cwd=ROOT)
+        assert c.returncode == 0, c.stderr
+        _, again = mff.load(moved, adapter=tmp_path / "p")
+        torch.testing.assert_close(again["model.layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"])
+    finally:
+        shutil.move(str(moved), base)
+
+
+def test_rows_with_unicode_separators_and_a_bom_are_read(tmp_path):
+    from mff.data.sft_rows import read_rows, to_messages
+
+    p = tmp_path / "u.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + (json.dumps({"instruction": "a\u2028b\u0085c", "output": "d"}, ensure_ascii=False) + "\n").encode())
+    assert to_messages(read_rows([str(p)])[0])[0]["content"] == "a\u2028b\u0085c"
+    p.write_text("[" * 100000 + "]" * 100000 + "\n")
+    with pytest.raises(ValueError, match="u.jsonl:1: not valid JSON \\(nested too deeply\\)"):
+        read_rows([str(p)])
+    p.write_text(json.dumps({"instruction": "\ud800", "output": "x"}) + "\n")
+    with pytest.raises(ValueError, match="u.jsonl:1: 'instruction' holds a lone surrogate"):
+        to_messages(read_rows([str(p)])[0])
+
+
+@pytest.mark.parametrize("change,match", [({"rank_pattern": {"[": 2}}, "rank_pattern holds '\\['"),
+                                          ({"rank_pattern": [1, 2]}, "rank_pattern must be an object"),
+                                          ({"lora_alpha": float("inf")}, "lora_alpha=inf must be a finite number"),
+                                          ({"lora_dropout": "abc"}, "lora_dropout='abc' must be a number")])
+def test_bad_peft_configs(base, tmp_path, change, match):
+    model, _ = mff.load(base)
+    lm = mp.add_lora(model, r=4)
+    mp.save_peft(lm, mp.init_adapters(lm), tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(mp.PeftFormatError, match=match):
+        mp.read_peft(tmp_path / "a", model)
+
+
+def test_a_chat_template_given_by_flag_is_kept_with_the_run(base, rows, tmp_path):
+    tpl = tmp_path / "tpl.jinja"
+    tpl.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant: {% endif %}")
+    run = tmp_path / "run"
+    r = run_finetune(["--init-from", str(base), "--data.path", str(rows), "--ckpt-dir", str(run), "--lora.r", "2", "--steps", "1",
+                      "--data.chat-template", str(tpl), *FAST], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((run / "tokenizer_config.json").read_text())["chat_template"] == tpl.read_text()

@@ -29,7 +29,8 @@ from mff.data.loader import Loader, eval_bounds
 from mff.data.sft_encode import TRAIN_ON, ChatTemplateEncoder, Encoded, MindFormersAlpacaEncoder
 from mff.data.sft_rows import FORMATS, Row, read_rows, to_messages
 
-__all__ = ["SFTDataConfig", "SFTExamples", "SFTData", "SFTLoader", "build_sft_data", "held_out", "pack_examples", "sft_eval_batches"]
+__all__ = ["SFTDataConfig", "SFTExamples", "SFTData", "SFTLoader", "build_sft_data", "held_out", "pack_examples", "read_chat_template",
+           "sft_eval_batches"]
 
 IGNORE = -100
 
@@ -161,6 +162,23 @@ def _is_val(key: str, permille: int) -> bool:
     return int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") % 1000 < permille
 
 
+def read_chat_template(path: str) -> str:
+    """The text of a ``--data.chat-template`` file. Raises FileNotFoundError / ValueError (not a
+    file, not UTF-8, empty), naming the file."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"--data.chat-template {p} does not exist")
+    if not p.is_file():
+        raise ValueError(f"--data.chat-template {p} is not a file (a Jinja chat template file)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data.chat-template {p} is not UTF-8 text: {e}") from None
+    if not text.strip():
+        raise ValueError(f"--data.chat-template {p} is empty")
+    return text
+
+
 def held_out(rows: list[Row], val_permille: int) -> list[bool]:
     """Per row, whether it is held out: ``sha1(row.key) mod 1000 < val_permille``; never every
     row, and at least one row when ``val_permille`` > 0 and there are two or more."""
@@ -178,10 +196,7 @@ def _encoder(cfg: SFTDataConfig, tokenizer, chat_template: str | None, bos: str 
     if cfg.template != "chat":
         raise ValueError(f"--data.template {cfg.template!r}; expected chat or mindformers-alpaca")
     if cfg.chat_template is not None:
-        p = Path(cfg.chat_template)
-        if not p.is_file():
-            raise FileNotFoundError(f"--data.chat-template {p} does not exist")
-        chat_template = p.read_text()
+        chat_template = read_chat_template(cfg.chat_template)
     if not chat_template:
         raise ValueError("the checkpoint has no chat template (tokenizer_config.json chat_template, chat_template.jinja or the GGUF's "
                          "tokenizer.chat_template); pass --data.chat-template FILE, or --data.template mindformers-alpaca")

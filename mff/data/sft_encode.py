@@ -109,7 +109,16 @@ class ChatTemplateEncoder:
         return full, out
 
     def encode(self, messages: list[dict], where: str = "row") -> Encoded:
-        """Token ids and the trained-token mask of ``messages``. Raises as :meth:`spans`."""
+        """Token ids and the trained-token mask of ``messages``. Raises as :meth:`spans`, and
+        ValueError when the tokenizer cannot encode the text."""
+        try:
+            return self._encode_checked(messages, where)
+        except Exception as e:  # tokenizers raises bare Exceptions
+            if isinstance(e, ValueError):
+                raise
+            raise ValueError(f"{where}: the tokenizer cannot encode this row: {e}") from None
+
+    def _encode_checked(self, messages: list[dict], where: str) -> Encoded:
         full, spans = self.spans(messages, where)
         cuts = sorted({c for span in spans for c in span} - {0, len(full)})
         ids = self._encode(full)
@@ -159,6 +168,9 @@ class MindFormersAlpacaEncoder:
             raise ValueError(f"{where}: --data.template mindformers-alpaca needs alpaca rows (instruction, input, output); keys: {sorted(row)}")
         if row.get("history"):
             raise ValueError(f"{where}: MindFormers' alpaca handler has no 'history'; use --data.template chat for multi-turn rows")
+        for key in ("instruction", "output", "input"):
+            if key in row and row[key] is not None and not isinstance(row[key], str):
+                raise ValueError(f"{where}: '{key}' must be a string, got {type(row[key]).__name__}")
         values = {"instruction": row["instruction"], "input": row.get("input") or ""}
         prompt = (self.prompt_with_input if values["input"] else self.prompt_without_input).format_map(values)
         parts = [(f"{self.system} ", False), (f"USER: {prompt} ", False), (f"ASSISTANT: {row['output']}</s>", True)]

@@ -66,18 +66,22 @@ def read_rows(paths: tuple[str, ...] | list[str]) -> list[Row]:
     rows: list[Row] = []
     for f in _files(paths):
         try:
-            text = f.read_text(encoding="utf-8")
+            text = f.read_text(encoding="utf-8-sig")  # a leading byte-order mark is skipped
         except UnicodeDecodeError as e:
             raise ValueError(f"{f} is not UTF-8 text: {e}") from None
+        except OSError as e:
+            raise ValueError(f"{f} cannot be read: {e.strerror or e}") from None
         n0 = len(rows)
         if f.suffix == ".jsonl":
-            for i, line in enumerate(text.splitlines(), 1):
+            for i, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 or U+0085 may stand inside a JSON string
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                 except ValueError as e:
                     raise ValueError(f"{f}:{i}: not valid JSON ({e})") from None
+                except RecursionError:
+                    raise ValueError(f"{f}:{i}: not valid JSON (nested too deeply)") from None
                 if not isinstance(obj, dict):
                     raise ValueError(f"{f}:{i}: a row must be a JSON object, got {type(obj).__name__}")
                 rows.append(Row(f"{f}:{i}", obj, f"{f.name}:{len(rows) - n0}"))
@@ -86,6 +90,8 @@ def read_rows(paths: tuple[str, ...] | list[str]) -> list[Row]:
                 obj = json.loads(text) if text.strip() else []
             except ValueError as e:
                 raise ValueError(f"{f}: not valid JSON ({e})") from None
+            except RecursionError:
+                raise ValueError(f"{f}: not valid JSON (nested too deeply)") from None
             if not isinstance(obj, list):
                 raise ValueError(f"{f}: a .json file of rows must hold a JSON list of objects, got {type(obj).__name__}")
             for i, item in enumerate(obj):
@@ -112,6 +118,10 @@ def detect_format(row: Row) -> str:
 def _text(row: Row, value, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{row.where}: {what} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{row.where}: {what} holds a lone surrogate code point (\\ud800-\\udfff), not text") from None
     return value
 
 
@@ -120,15 +130,15 @@ def _alpaca(row: Row) -> list[dict]:
     if "instruction" not in d or "output" not in d:
         raise ValueError(f"{row.where}: an alpaca row needs 'instruction' and 'output' (keys: {sorted(d)})")
     msgs = []
-    if d.get("system"):
-        msgs.append({"role": "system", "content": _text(row, d["system"], "'system'")})
+    if d.get("system") is not None and _text(row, d["system"], "'system'"):
+        msgs.append({"role": "system", "content": d["system"]})
     for j, pair in enumerate(d.get("history") or []):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ValueError(f"{row.where}: history[{j}] must be an [instruction, output] pair")
         msgs += [{"role": "user", "content": _text(row, pair[0], f"history[{j}][0]")},
                  {"role": "assistant", "content": _text(row, pair[1], f"history[{j}][1]")}]
     prompt = _text(row, d["instruction"], "'instruction'")
-    extra = _text(row, d.get("input") or "", "'input'")
+    extra = _text(row, d["input"], "'input'") if d.get("input") is not None else ""
     prompt = f"{prompt}\n{extra}" if extra else prompt
     return msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(row, d["output"], "'output'")}]
 
@@ -138,8 +148,8 @@ def _sharegpt(row: Row) -> list[dict]:
     if not isinstance(conv, list):
         raise ValueError(f"{row.where}: 'conversations' must be a list of {{from, value}} turns")
     msgs = []
-    if row.data.get("system"):
-        msgs.append({"role": "system", "content": _text(row, row.data["system"], "'system'")})
+    if row.data.get("system") is not None and _text(row, row.data["system"], "'system'"):
+        msgs.append({"role": "system", "content": row.data["system"]})
     for j, turn in enumerate(conv):
         if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
             raise ValueError(f"{row.where}: conversations[{j}] must be an object with 'from' and 'value'")

@@ -23,6 +23,10 @@ __all__ = ["lora_spec", "add_lora", "init_adapters", "adapter_sharding_table", "
 def lora_spec(model: Model, cfg: LoraConfig) -> LoRASpec:
     """The :class:`mff.model.LoRASpec` of ``cfg`` for ``model`` (targets resolved to weight
     paths). Raises ValueError for bad values or targets (see :func:`resolve_targets`)."""
+    if isinstance(cfg.r, bool) or not isinstance(cfg.r, int):
+        raise TypeError(f"LoRA r must be an int, got {cfg.r!r}")
+    if cfg.alpha is not None and (isinstance(cfg.alpha, bool) or not isinstance(cfg.alpha, (int, float))):
+        raise TypeError(f"LoRA alpha must be a number, got {cfg.alpha!r}")
     cfg.validate()
     if cfg.r < 1:
         raise ValueError(f"--lora.r {cfg.r} must be >= 1")
@@ -37,6 +41,10 @@ def add_lora(model: Model, r: int, alpha: float | None = None, targets: tuple[st
         adapters = mff.peft.init_adapters(lora_model, seed=0)
         out = lora_model.forward({**params, **adapters}, batch)
     """
+    if isinstance(targets, str):
+        targets = (targets,)
+    if targets is None or not all(isinstance(t, str) for t in targets):
+        raise TypeError(f"LoRA targets must be a sequence of strings (names or path patterns), got {targets!r}")
     return model.with_lora(lora_spec(model, LoraConfig(r=r, alpha=alpha, targets=tuple(targets), dropout=dropout, rslora=rslora)))
 
 
@@ -118,6 +126,12 @@ def _apply(model: Model, params: Mapping[str, torch.Tensor], adapters: Mapping[s
     missing = [adapter_path(p, w) for p in spec.targets for w in "AB" if adapter_path(p, w) not in adapters]
     if missing:
         raise ValueError(f"adapters lack {len(missing)} tensors, e.g. {missing[:3]}")
+    lacking = [p for p in spec.targets if p not in params]
+    if lacking:
+        raise ValueError(f"params lack {len(lacking)} adapted weights, e.g. {lacking[:3]}")
+    for name, shape in model.adapter_shapes().items():
+        if tuple(adapters[name].shape) != tuple(shape):
+            raise ValueError(f"adapter {name!r} has shape {tuple(adapters[name].shape)}, the model's LoRA slot is {tuple(shape)}")
     out = dict(params)
     with torch.no_grad():
         for path in spec.targets:

@@ -23,7 +23,7 @@ class LoraConfig:
     rslora: bool = False
     """rsLoRA scale s = alpha / sqrt(r) instead of alpha / r."""
     init_from: str | None = None
-    """Start from these adapters: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) or an mff LoRA checkpoint; r, alpha and targets then come from it."""
+    """Start from these adapters, a PEFT adapter folder or an mff LoRA run: r, alpha and targets then come from them (--lora.dropout may still be set)."""
 
     @property
     def enabled(self) -> bool:
@@ -37,6 +37,8 @@ class LoraConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and what it must be."""
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--lora.dropout {self.dropout} must be in [0, 1)")
         if self.init_from is not None:
             if self.r or self.alpha is not None or self.targets != ("all",) or self.rslora:
                 raise ValueError("--lora.init-from takes r, alpha and targets from the adapters; drop --lora.r / --lora.alpha / "

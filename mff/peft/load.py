@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from mff.nn.lora import adapter_path
 from mff.peft.adapters import merge
 from mff.peft.peft_format import is_peft_folder, read_peft
 
-__all__ = ["lora_meta", "spec_from_meta", "base_fingerprint", "is_lora_run", "read_adapter", "merge_adapter", "load_model"]
+__all__ = ["lora_meta", "spec_from_meta", "base_fingerprint", "is_lora_run", "read_adapter", "run_adapters", "merge_adapter", "load_model"]
 
 
 def lora_meta(spec: LoRASpec) -> dict:
@@ -39,18 +40,21 @@ def spec_from_meta(d: Mapping) -> LoRASpec:
                     rslora=bool(d.get("rslora", False)), overrides=tuple((str(p), int(r), float(a)) for p, r, a in d.get("overrides", ())))
 
 
-def base_fingerprint(params: Mapping[str, torch.Tensor], spec: LoRASpec) -> str:
-    """sha256 (hex, 16 digits) of the first 4096 values (fp32) of the embedding and of each of
-    the first two target weights: enough to tell one base checkpoint from another."""
+def base_fingerprint(params: Mapping[str, torch.Tensor]) -> str:
+    """sha256 (hex, 16 digits) over every param of the base: its path and 128 of its values (the
+    first 64 and 64 spread evenly over the rest), rounded to bf16 so that the same checkpoint
+    loaded in fp32 or bf16 gives the same fingerprint. Plain tensors (the weights as loaded); a
+    change to any weight's sampled values, or to the set of params, changes it."""
     h = hashlib.sha256()
-    for name in ("model.embed_tokens.weight", *spec.targets[:2]):
-        t = params.get(name)
-        if t is None:
-            continue
+    for name in sorted(params):
+        t = params[name]
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
+        flat = t.detach().reshape(-1)
+        n = flat.numel()
+        idx = torch.cat([torch.arange(min(64, n)), torch.linspace(0, max(n - 1, 0), steps=min(64, n)).long()])
         h.update(name.encode())
-        h.update(t.detach().reshape(-1)[:4096].to("cpu", torch.float32).numpy().tobytes())
+        h.update(flat[idx].to("cpu", torch.bfloat16).to(torch.float32).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -62,6 +66,20 @@ def is_lora_run(path: str | os.PathLike) -> bool:
         return "lora" in read_meta(resolve_mff_step_dir(path))
     except (FileNotFoundError, ValueError, CheckpointError):
         return False
+
+
+def run_adapters(path: str | os.PathLike) -> tuple[Model, dict[str, torch.Tensor], dict]:
+    """``(model with its LoRA slots, adapters, metadata)`` of an mff LoRA run, without its base:
+    the model (no weights) is built from the run's metadata. Raises CheckpointError as
+    :func:`read_adapter`."""
+    from mff.models import build, get_family
+    from mff.models.common import config_from_dict
+
+    meta = read_meta(resolve_mff_step_dir(path), required=("lora", "family", "config"))
+    family = get_family(meta["family"])
+    model = build(family, config_from_dict(family.config_cls, meta["config"]))
+    spec, adapters, meta = _run_adapters(path, model)
+    return model.with_lora(spec), adapters, meta
 
 
 def _run_adapters(path: str | os.PathLike, model: Model) -> tuple[LoRASpec, dict[str, torch.Tensor], dict]:
@@ -149,18 +167,25 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
         meta = read_meta(step, required=("lora", "base"))
         base_path = meta["base"].get("path")
         if not base_path or not Path(base_path).exists():
-            raise CheckpointError(f"{path} holds LoRA adapters of the base {base_path!r}, which does not exist here; convert the "
-                                  "run on the machine that has the base, or put the base back at that path")
+            raise CheckpointError(f"{path} holds LoRA adapters of the base {base_path!r}, which does not exist here; put the base back "
+                                  f"at that path, or load a copy of it with mff.load(BASE, adapter={str(path)!r}) (convert --src BASE "
+                                  f"--adapter {path}); convert --src {path} --to peft needs no base")
         model, params = load_base(base_path, device, dtype)
         spec, adapters, _ = _run_adapters(path, model)
         want = meta["base"].get("fingerprint")
-        if want is not None and base_fingerprint(params, spec) != want:
-            raise CheckpointError(f"{path} was trained on another version of its base {base_path} (its weights changed since)")
+        if want is not None and base_fingerprint(params) != want:
+            raise CheckpointError(f"{path} was trained on another version of its base {base_path} (its weights changed since); "
+                                  f"to apply the adapters to it anyway: mff.load({str(base_path)!r}, adapter={str(path)!r})")
     else:
         model, params = load_base(path, device, dtype)
         if adapter is None:
             return model, params
         spec, adapters = read_adapter(adapter, model)
+        if is_lora_run(adapter):
+            want = (read_meta(resolve_mff_step_dir(adapter)).get("base") or {}).get("fingerprint")
+            if want is not None and base_fingerprint(params) != want:
+                print(f"note: {adapter} was trained on another base than {path} (the weights differ); applying its adapters anyway",
+                      file=sys.stderr)
     lm = model.with_lora(spec)
     missing = [t for t in spec.targets if t not in params]
     if missing:

@@ -29,6 +29,7 @@ them as 2-D parameters with the same ``lora_A`` / ``lora_B`` keys and the same n
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -120,6 +121,15 @@ def save_peft(model: Model, adapters: Mapping[str, torch.Tensor], out_dir: str |
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; choose a new folder for the PEFT adapter")
+    shapes = model.adapter_shapes()
+    missing = sorted(set(shapes) - set(adapters))
+    if missing:
+        raise ValueError(f"adapters lack {len(missing)} of the model's {len(shapes)} factors, e.g. {missing[:3]}")
+    for name, shape in shapes.items():
+        if tuple(adapters[name].shape) != tuple(shape):
+            raise ValueError(f"adapter {name!r} has shape {tuple(adapters[name].shape)}, the model's LoRA slot is {tuple(shape)}")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise FileExistsError(f"{out}: {out.parent} is a file, not a folder")
     experts = _expert_modules(model)
     mtp = [p for p in spec.targets if not _main_layer(model, p)]
     if mtp:
@@ -201,8 +211,24 @@ def _read_config(folder: Path) -> dict:
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise PeftFormatError(f"{path}: r={r!r} must be an integer >= 1")
     alpha = cfg.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise PeftFormatError(f"{path}: lora_alpha={alpha!r} must be a number > 0")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise PeftFormatError(f"{path}: lora_alpha={alpha!r} must be a finite number > 0")
+    dropout = cfg.get("lora_dropout") or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise PeftFormatError(f"{path}: lora_dropout={dropout!r} must be a number in [0, 1)")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = cfg.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise PeftFormatError(f"{path}: {key} must be an object of pattern -> value, got {type(patterns).__name__}")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise PeftFormatError(f"{path}: {key} holds {pattern!r}, not a regular expression ({e})") from None
+    for key in ("target_modules", "target_parameters"):
+        v = cfg.get(key)
+        if v is not None and not isinstance(v, (str, list)):
+            raise PeftFormatError(f"{path}: {key} must be a list of names or a regex string, got {type(v).__name__}")
     return cfg
 
 
@@ -211,8 +237,8 @@ def _rank_alpha(cfg: dict, keys: list[str], r0: int, alpha0: float) -> tuple[int
     alpha = _peft_pattern_value(cfg.get("alpha_pattern"), keys, alpha0)
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise PeftFormatError(f"{CONFIG}: rank_pattern gives {keys[-1]!r} rank {r!r}; expected an integer >= 1")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise PeftFormatError(f"{CONFIG}: alpha_pattern gives {keys[-1]!r} alpha {alpha!r}; expected a number > 0")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise PeftFormatError(f"{CONFIG}: alpha_pattern gives {keys[-1]!r} alpha {alpha!r}; expected a finite number > 0")
     return int(r), float(alpha)
 
 
@@ -240,6 +266,8 @@ def read_peft(folder: str | os.PathLike, model: Model) -> tuple[LoRASpec, dict[s
             base model).
     """
     folder = Path(folder)
+    if not folder.is_dir():
+        raise PeftFormatError(f"{folder} is not a folder; a PEFT adapter is a folder with {CONFIG} and {WEIGHTS}")
     cfg = _read_config(folder)
     wpath = folder / WEIGHTS
     if not wpath.is_file():

@@ -49,14 +49,14 @@ import torch
 import tyro
 from tqdm import tqdm
 
-from mff.ckpt.autoload import checkpoint_kind, load_gguf, load_mindspore, resolve_mff_step_dir, tokenizer_folder
-from mff.ckpt.checkpoint import CheckpointError, read_meta, remove_stale_tmp, save_weights
+from mff.ckpt.autoload import checkpoint_kind, load_gguf, load_mindspore, tokenizer_folder
+from mff.ckpt.checkpoint import CheckpointError, remove_stale_tmp, save_weights
 from mff.ckpt.hf import save_hf
 from mff.ckpt.mindformers import save_mindformers
 from mff.ckpt.safetensors_io import parse_size
 from mff.ckpt.staging import staged_folder
 from mff.peft import save_peft, split_params
-from mff.peft.load import is_lora_run, load_model, merge_adapter
+from mff.peft.load import is_lora_run, load_model, merge_adapter, run_adapters
 from mff.recipes.common import config_to_dict, fail
 
 __all__ = ["ConvertConfig", "convert", "main"]
@@ -182,15 +182,17 @@ def _convert_peft(cfg: ConvertConfig, dst: Path) -> Path:
     if is_lora_run(cfg.src):
         if cfg.adapter is not None:
             raise ValueError(f"--src {cfg.src} is a LoRA run (it carries its adapters); --adapter is for a base --src")
-        lm, both = load_model(cfg.src, merged=False)
-        base_name = str(read_meta(resolve_mff_step_dir(cfg.src))["base"].get("path"))
+        lm, adapters, meta = run_adapters(cfg.src)  # the adapters alone: the base is not needed
+        base_name = (meta.get("base") or {}).get("path")
     elif cfg.adapter is not None:
         lm, both = load_model(cfg.src, adapter=cfg.adapter, merged=False)
-        base_name = str(cfg.src)
+        _, adapters = split_params(both)
+        base_name = str(Path(cfg.src).absolute())
     else:
         raise ValueError(f"--to peft needs LoRA adapters: --src {cfg.src} is no LoRA run (mff.recipes.finetune --lora.r) and no "
                          "--adapter was given")
-    _, adapters = split_params(both)
+    if base_name is not None and not (Path(base_name) / "config.json").is_file():
+        base_name = None  # PEFT reads base_model_name_or_path as an HF folder or hub id: a .gguf or mff path would mislead it
     out = save_peft(lm, adapters, dst, base_model_name_or_path=base_name, dtype=dtype)
     n = sum(t.numel() for t in adapters.values())
     print(f"wrote {out} (PEFT LoRA adapter: r {lm.lora.r}, alpha {lm.lora.alpha:g} on {len(lm.lora.targets)} weights, {n:,} params)")

@@ -40,7 +40,7 @@ from mff import ckpt
 from mff.backend import init_distributed, resolve_device
 from mff.ckpt.autoload import checkpoint_kind, load_gguf
 from mff.ckpt.tokenizer_files import TextAssets, load_text_assets, read_tokenizer, text_asset_files
-from mff.data.sft import SFTDataConfig, SFTLoader, build_sft_data, sft_eval_batches
+from mff.data.sft import SFTDataConfig, SFTLoader, build_sft_data, read_chat_template, sft_eval_batches
 from mff.data.stats import unigram_entropy
 from mff.models import build, get_family
 from mff.models.common import config_from_dict
@@ -69,6 +69,8 @@ LORA_LR = 1e-4
 class FinetuneConfig(TrainConfig[C], Generic[C]):
     """Fine-tuning run. The model config comes from --init-from (--model.* fields override it)."""
 
+    model: C
+    """Model config of the --init-from checkpoint (HF field names); --model.<field> overrides a field that keeps every tensor's shape. (--help without --init-from lists DeepSeek-V3's fields.)"""
     steps: int | None = None
     """Optimizer steps of the whole run; default: --epochs passes over the training rows."""
     seq_len: int = 1024
@@ -114,7 +116,7 @@ def _prepare(argv: list[str]) -> _Init | None:
     pre.add_argument("-h", "--help", action="store_true")
     known = pre.parse_known_args(list(argv))[0]
     if known.help:
-        return None
+        return None  # --help: the options of the default family (the checkpoint is not read)
     if known.init_from is None:
         raise ValueError("--init-from is required: the checkpoint to fine-tune (an HF folder, an mff checkpoint, a .gguf file "
                          "or a MindSpore/MindFormers checkpoint)")
@@ -136,12 +138,19 @@ def _prepare(argv: list[str]) -> _Init | None:
 
 
 def _text(cfg: FinetuneConfig, init: _Init) -> TextAssets:
+    """The tokenizer and chat template the rows are encoded with (and the run keeps): the
+    checkpoint's, or ``--data.tokenizer`` / ``--data.chat-template``."""
     text = init.text
     if cfg.data.tokenizer is not None:
         text = dataclasses.replace(text, tokenizer=read_tokenizer(cfg.data.tokenizer))
         text.add_eos_token_id()
     if text.tokenizer is None:
         raise ValueError(f"--init-from {cfg.init_from} comes with no tokenizer (no tokenizer.json); pass --data.tokenizer")
+    if cfg.data.chat_template is not None:
+        text = dataclasses.replace(text, chat_template=read_chat_template(cfg.data.chat_template))
+    if cfg.data.template == "chat" and text.chat_template and "eos_token" in text.chat_template and not text.eos_token:
+        print0("note: the chat template writes eos_token, but the checkpoint names none (tokenizer_config.json eos_token): "
+               "answers are trained without that end token")
     return text
 
 
@@ -229,11 +238,21 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
     loaded_adapters = None
     if cfg.lora.init_from is not None:
         spec, loaded_adapters = read_adapter(cfg.lora.init_from, model)
+        if cfg.lora.dropout:
+            spec = dataclasses.replace(spec, dropout=cfg.lora.dropout)
         model = model.with_lora(spec)
         print0(f"adapters from {cfg.lora.init_from}: r {spec.r}, alpha {spec.alpha:g} on {len(spec.targets)} weights")
     elif cfg.lora.enabled:
         model = model.with_lora(lora_spec(model, cfg.lora))
     lora = model.lora
+    if lora is not None:
+        narrow = [t for t in lora.targets if lora.rank_of(t) > min(model.param_shapes()[t][-2:])]
+        if narrow:
+            print0(f"note: LoRA rank {lora.r} exceeds a dim of {len(narrow)} target weights (e.g. {narrow[0]} "
+                   f"{tuple(model.param_shapes()[narrow[0]])}): their adapters are not low-rank")
+    mpe = model.config.max_position_embeddings
+    if not 2 <= cfg.seq_len <= mpe:
+        raise ValueError(f"--seq-len {cfg.seq_len} must be in [2, {mpe}] (the model's max_position_embeddings)")
     # data (its row count decides --steps)
     text = _text(cfg, init)
     pad = text.eos_ids[0] if text.eos_ids else 0
@@ -243,6 +262,8 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
         raise ValueError(f"the tokenizer gives id {top} but the model's vocab_size is {model.config.vocab_size}; use the checkpoint's tokenizer")
     cfg = _resolve(cfg, argv, len(data.train))
     check_train_config(cfg, model, dp_size)
+    if cfg.batch_size > len(data.train):
+        print0(f"note: --batch-size {cfg.batch_size} exceeds the {len(data.train)} training rows: every batch repeats rows")
     base_dtype = compute_dtype(cfg.precision) if lora is not None else param_dtype(cfg.precision)
     trainable = sum(math.prod(s) for s in model.adapter_shapes().values()) if lora is not None else None
     mem = memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size() * mesh["ep"].size() * mesh["tp"].size(), dp_size,
@@ -251,14 +272,13 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
     # params: the base (frozen under LoRA, in the compute dtype) and the trainable leaves
     with collective("distributing the initial params"):
         params = model.init(cfg.seed, dist_info.device, base_dtype, mesh)
+    base_fp = base_fingerprint(init.params) if lora is not None and init.params is not None else None
     if init.params is not None:
         params = apply_init(params, {k: v.to(params[k].dtype) if k in params else v for k, v in init.params.items()}, cfg.init_from)
     init.params = None
-    base_fp = None
     if lora is not None:
         for t in params.values():
             t.requires_grad_(False)
-        base_fp = base_fingerprint(params, lora)
         adapters = init_adapters(model, cfg.seed, dist_info.device, param_dtype(cfg.precision), mesh)
         if loaded_adapters is not None:
             adapters = apply_init(adapters, {k: v.to(adapters[k].dtype) for k, v in loaded_adapters.items()}, cfg.lora.init_from)

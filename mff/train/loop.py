@@ -160,6 +160,10 @@ def resume(cfg: TrainConfig, last: Path | None, saved: dict[str, torch.Tensor], 
     if saved_steps is not None and saved_steps != cfg.steps:
         print0(f"note: {last} was trained toward --steps {saved_steps}; this run has --steps {cfg.steps}, so the lr schedule "
                f"of the steps after {meta['step']} is the one of a {cfg.steps}-step run")
+    for flag, saved_value, now in (("--batch-size", meta["run"].get("batch_size"), cfg.batch_size),
+                                   ("--optim.lr", (meta["run"].get("optim") or {}).get("lr"), cfg.optim.lr)):
+        if saved_value is not None and saved_value != now:
+            print0(f"note: {last} was trained with {flag} {saved_value}; this run continues with {flag} {now}")
     return saved, opt_state, meta["step"], meta["tokens_seen"]
 
 
