@@ -52,7 +52,8 @@ def base_fingerprint(params: Mapping[str, torch.Tensor]) -> str:
             t = t.full_tensor()
         flat = t.detach().reshape(-1)
         n = flat.numel()
-        idx = torch.cat([torch.arange(min(64, n)), torch.linspace(0, max(n - 1, 0), steps=min(64, n)).long()])
+        k = min(64, n)
+        idx = torch.cat([torch.arange(k), torch.arange(k, dtype=torch.int64) * max(n - 1, 0) // max(k - 1, 1)])  # exact integers
         h.update(name.encode())
         h.update(flat[idx].to("cpu", torch.bfloat16).to(torch.float32).numpy().tobytes())
     return h.hexdigest()[:16]
