@@ -4,8 +4,9 @@ layout must not change: the losses, the grad norms and the final full params.
     torchrun --nproc_per_node=N tests/layout_worker.py OUT.pt --families deepseek3,qwen3_moe --tp 2
     python tests/layout_worker.py OUT.pt --families deepseek3          # the single-process reference
 
-``--lora R`` also runs each family with LoRA adapters of rank R on every projection (frozen base,
-the adapters trained; saved under ``<family>+lora``, their params being the adapters).
+``--lora R`` also runs the families of ``--lora-families`` (default: all) with LoRA adapters of
+rank R on every projection (frozen base, the adapters trained; saved under ``<family>+lora``,
+their params being the adapters).
 
 Every rank builds the same global batch; each data-parallel rank takes its rows, in micro-batches
 of ``--micro-rows`` rows. The reference runs the same micro-batches one after the other (grad
@@ -180,6 +181,7 @@ def main() -> None:
     ap.add_argument("--families", required=True)
     ap.add_argument("--micro-rows", type=int, default=GLOBAL_BATCH)
     ap.add_argument("--lora", type=int, default=0)
+    ap.add_argument("--lora-families", default=None)
     for name in ("dp_replicate", "dp_shard", "tp", "ep"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=-1 if name == "dp_shard" else 1)
     a = ap.parse_args()
@@ -197,7 +199,7 @@ def main() -> None:
     moe._dispatched_experts = counting
     for family in a.families.split(","):
         result[family] = run(family, mesh, a.micro_rows)
-        if a.lora:
+        if a.lora and (a.lora_families is None or family in a.lora_families.split(",")):
             result[family + "+lora"] = run(family, mesh, a.micro_rows, a.lora)
     if info.rank == 0:
         tmp = a.out + ".tmp"

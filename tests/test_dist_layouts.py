@@ -45,16 +45,20 @@ def reference(tmp_path_factory):
 
     def get(rows: int) -> dict:
         if rows not in made:
-            made[rows] = _launch(tmp_path_factory.mktemp("ref") / "ref.pt", ALL, 1, ["--micro-rows", str(rows), "--lora", "4"])
+            made[rows] = _launch(tmp_path_factory.mktemp("ref") / "ref.pt", ALL, 1,
+                                 ["--micro-rows", str(rows), "--lora", "4", "--lora-families", ",".join(LORA)])
         return made[rows]
 
     return get
 
 
-LAYOUTS = [  # the first three also train LoRA adapters (--lora 4)
-    pytest.param(2, ["--dp-shard", "2", "--lora", "4"], ALL, id="dp_shard2"),
-    pytest.param(2, ["--tp", "2", "--lora", "4"], ALL, id="tp2"),
-    pytest.param(2, ["--ep", "2", "--lora", "4"], MOE, id="ep2"),
+# LoRA (the first three layouts): MLA + experts + shared experts (deepseek3), softmax-routed experts
+# (qwen3_moe), GQA with GLM-4's fused gate_up under tp (glm4)
+LORA = ("deepseek3", "qwen3_moe", "glm4")
+LAYOUTS = [
+    pytest.param(2, ["--dp-shard", "2", "--lora", "4", "--lora-families", ",".join(LORA)], ALL, id="dp_shard2"),
+    pytest.param(2, ["--tp", "2", "--lora", "4", "--lora-families", ",".join(LORA)], ALL, id="tp2"),
+    pytest.param(2, ["--ep", "2", "--lora", "4", "--lora-families", ",".join(LORA)], MOE, id="ep2"),
     pytest.param(4, ["--dp-shard", "2", "--tp", "2"], MOE, id="dp_shard2xtp2"),
     pytest.param(4, ["--ep", "2", "--dp-shard", "2"], MOE, id="ep2xdp_shard2"),
 ]
@@ -62,14 +66,16 @@ LAYOUTS = [  # the first three also train LoRA adapters (--lora 4)
 
 @pytest.mark.parametrize("nproc,flags,families", LAYOUTS)
 def test_layout_matches_one_process(reference, tmp_path, nproc, flags, families):
-    sizes = dict(zip(flags[::2], map(int, flags[1::2])))
-    lora = sizes.pop("--lora", 0)
+    opts = dict(zip(flags[::2], flags[1::2]))
+    lora = int(opts.pop("--lora", 0))
+    lora_families = opts.pop("--lora-families", "").split(",")
+    sizes = {k: int(v) for k, v in opts.items()}
     rows = GLOBAL_BATCH * sizes.get("--tp", 1) // nproc  # rows per data-parallel rank
     got = _launch(tmp_path / "got.pt", families, nproc, [*flags, "--micro-rows", str(rows)])
     for flag, size in sizes.items():
         assert got["mesh"][flag.removeprefix("--").replace("-", "_")] == size
     assert (got["ep_dispatches"] > 0) == (sizes.get("--ep", 1) > 1)  # real expert parallelism: tokens sent by all-to-all
-    for family in [*families, *[f + "+lora" for f in families if lora]]:
+    for family in [*families, *[f + "+lora" for f in families if lora and f in lora_families]]:
         ref, run = reference(rows)[family], got[family]
         assert run["losses"] == pytest.approx(ref["losses"], abs=1e-5), family
         assert run["grad_norms"] == pytest.approx(ref["grad_norms"], abs=1e-5), family

@@ -53,6 +53,15 @@ def _files(paths: tuple[str, ...] | list[str]) -> list[Path]:
     return out
 
 
+def _loads(text: str, where: str):
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
+
+
 def read_rows(paths: tuple[str, ...] | list[str]) -> list[Row]:
     """Every row of the files or folders ``paths``, in file order.
 
@@ -76,22 +85,12 @@ def read_rows(paths: tuple[str, ...] | list[str]) -> list[Row]:
             for i, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 or U+0085 may stand inside a JSON string
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    raise ValueError(f"{f}:{i}: not valid JSON ({e})") from None
-                except RecursionError:
-                    raise ValueError(f"{f}:{i}: not valid JSON (nested too deeply)") from None
+                obj = _loads(line, f"{f}:{i}")
                 if not isinstance(obj, dict):
                     raise ValueError(f"{f}:{i}: a row must be a JSON object, got {type(obj).__name__}")
                 rows.append(Row(f"{f}:{i}", obj, f"{f.name}:{len(rows) - n0}"))
         else:
-            try:
-                obj = json.loads(text) if text.strip() else []
-            except ValueError as e:
-                raise ValueError(f"{f}: not valid JSON ({e})") from None
-            except RecursionError:
-                raise ValueError(f"{f}: not valid JSON (nested too deeply)") from None
+            obj = _loads(text, str(f)) if text.strip() else []
             if not isinstance(obj, list):
                 raise ValueError(f"{f}: a .json file of rows must hold a JSON list of objects, got {type(obj).__name__}")
             for i, item in enumerate(obj):
