@@ -227,6 +227,11 @@ def load_mindformers(
         trained = [p for p in shapes if model.is_trainable(p)]
         state = {"step": torch.zeros((), dtype=torch.int64)}
         state.update({slot: {p: torch.zeros(shapes[p], dtype=torch.float32, device=device) for p in trained} for slot in OPTIM_SLOTS.values()})
+    if dtype is not None:  # all params allocated before the stream, so the heap does not interleave them with the read buffers
+        for n in weights:
+            for p in table[n].params:
+                if p not in params:
+                    params[p] = torch.empty(shapes[p], dtype=torch.float32 if model.is_fp32(p) else dtype, device=device)
     metadata: dict[str, Any] = {}
     for name, value in source.stream(set(weights) | set(opt_want) | set(meta_names)):
         if name in opt_want:
