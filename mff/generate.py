@@ -46,6 +46,7 @@ def generate(
     seed: int | None = None,
     prefill_chunk: int = 0,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    stop_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     compile: bool = False,
 ) -> torch.Tensor:
     """Continue ``input_ids`` by up to ``max_new_tokens`` tokens per row.
@@ -59,6 +60,8 @@ def generate(
         seed: seeds the sampling generator (same seed, same tokens on the same device).
         prefill_chunk: prefill the prompt this many tokens at a time (0 = all at once).
         on_token: called with each step's ids int64 [B] (for streaming).
+        stop_fn: called (after ``on_token``) with each step's ids int64 [B]; returns bool [B],
+            the rows to stop now as if they had emitted EOS (stop strings, for evaluation).
         compile: run each decode step as one ``torch.compile``-d graph (same shapes at every
             position, so it compiles once per model, batch size and cache length; the first
             call pays the compile time). Mat-vecs then stream the weights in fused loops.
@@ -127,8 +130,10 @@ def generate(
             on_token(nxt)
         if stops:
             done = done | torch.isin(nxt, stop_t)
-            if bool(done.all()):
-                break
+        if stop_fn is not None:
+            done = done | stop_fn(nxt).to(device=device, dtype=torch.bool)
+        if (stops or stop_fn is not None) and bool(done.all()):
+            break
         if step == max_new_tokens - 1:
             break
         if seen is not None:

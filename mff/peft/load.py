@@ -25,7 +25,7 @@ from mff.nn.lora import adapter_path
 from mff.peft.adapters import merge
 from mff.peft.peft_format import is_peft_folder, read_peft
 
-__all__ = ["lora_meta", "spec_from_meta", "base_fingerprint", "is_lora_run", "read_adapter", "run_adapters", "merge_adapter", "load_model"]
+__all__ = ["lora_meta", "spec_from_meta", "base_fingerprint", "is_lora_run", "read_adapter", "run_adapters", "merge_adapter", "load_model", "load_with_text"]
 
 
 def lora_meta(spec: LoRASpec) -> dict:
@@ -195,3 +195,32 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
     if merged:
         return model, merge(lm, params, _place(adapters, like, same_dtype=False))
     return lm, {**params, **_place(adapters, like, same_dtype=True)}
+
+
+def load_with_text(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32,
+                   adapter: str | os.PathLike | None = None, tokenizer: str | os.PathLike | None = None):
+    """``(model, params, text)``: the checkpoint at ``path`` (any kind :func:`load_model` reads,
+    ``adapter`` merged into its weights) and its :class:`mff.ckpt.tokenizer_files.TextAssets`
+    (tokenizer, chat template, EOS ids), with ``tokenizer`` (a tokenizer.json) replacing its own.
+
+    Raises:
+        As :func:`load_model`; FileNotFoundError when the checkpoint has no tokenizer and none
+        is given.
+    """
+    from mff.ckpt.autoload import load_gguf
+    from mff.ckpt.tokenizer_files import load_text_assets, read_tokenizer
+
+    if checkpoint_kind(path) == "gguf":
+        model, params, g = load_gguf(path, device, dtype)
+        text = load_text_assets(path, gguf=g)
+        if adapter is not None:
+            model, params = merge_adapter(model, params, adapter)
+    else:
+        model, params = load_model(path, device, dtype, adapter=adapter)  # an mff LoRA run comes merged
+        text = load_text_assets(path)
+    if tokenizer is not None:
+        text.tokenizer = read_tokenizer(Path(tokenizer))
+        text.add_eos_token_id()
+    if text.tokenizer is None:
+        raise FileNotFoundError(f"{path} comes with no tokenizer (no tokenizer.json); pass --tokenizer PATH")
+    return model, params, text

@@ -22,12 +22,10 @@ import torch
 import tyro
 
 from mff.backend import DeviceUnavailable, resolve_device
-from mff.ckpt.autoload import checkpoint_kind, load_gguf
 from mff.ckpt.checkpoint import CheckpointError
-from mff.ckpt.tokenizer_files import load_text_assets, read_tokenizer
 from mff.data.chat import render_chat_template
 from mff.generate import generate
-from mff.peft.load import load_model, merge_adapter
+from mff.peft.load import load_with_text
 from mff.recipes.common import fail
 from mff.sampling import SamplingConfig
 
@@ -78,22 +76,7 @@ class GenerateConfig:
 
 def _load(cfg: GenerateConfig, device: torch.device):
     """``(model, params, text)`` for --ckpt (and --adapter: merged into the weights)."""
-    dtype = DTYPES[cfg.dtype]
-    path = Path(cfg.ckpt)
-    if checkpoint_kind(path) == "gguf":
-        model, params, g = load_gguf(path, device, dtype)
-        text = load_text_assets(path, gguf=g)
-        if cfg.adapter is not None:
-            model, params = merge_adapter(model, params, cfg.adapter)
-    else:
-        model, params = load_model(path, device, dtype, adapter=cfg.adapter)  # an mff LoRA run comes merged
-        text = load_text_assets(path)
-    if cfg.tokenizer is not None:
-        text.tokenizer = read_tokenizer(Path(cfg.tokenizer))
-        text.add_eos_token_id()
-    if text.tokenizer is None:
-        raise FileNotFoundError(f"{cfg.ckpt} comes with no tokenizer (no tokenizer.json); pass --tokenizer PATH")
-    return model, params, text
+    return load_with_text(Path(cfg.ckpt), device, DTYPES[cfg.dtype], adapter=cfg.adapter, tokenizer=cfg.tokenizer)
 
 
 def run(cfg: GenerateConfig) -> str:

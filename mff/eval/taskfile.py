@@ -1,0 +1,226 @@
+"""Tasks from local files: lm-eval task YAML over local JSON data, and ``ppl:FILE``.
+
+A task ``.yaml`` file uses lm-evaluation-harness's keys (``lm_eval/api/task.py`` ``TaskConfig``),
+so one file serves both mff and ``lm_eval --include_path``::
+
+    task: my_mc
+    dataset_path: json
+    dataset_kwargs: {data_files: {test: /data/my_mc.jsonl}}
+    test_split: test
+    output_type: multiple_choice        # or loglikelihood_rolling, generate_until
+    doc_to_text: "Question: {{question}}\\nAnswer:"
+    doc_to_choice: choices              # a field, a list, or a template giving a list
+    doc_to_target: answer               # a field or template: an index or the choice text
+    target_delimiter: " "               # the defaults are lm-eval's
+    fewshot_delimiter: "\\n\\n"
+    description: ""
+    generation_kwargs: {until: ["\\n"], max_gen_toks: 64}
+
+``doc_to_*`` values that name a field of the row take that field; other strings are jinja2
+templates (sandboxed), as in lm-eval. Relative data paths are taken from the YAML's folder.
+Read: ``dataset_path: json`` with ``.json``/``.jsonl`` files (other dataset paths need the HF
+hub, which mff never reaches at run time).
+
+``ppl:FILE`` is the perplexity of a ``.txt`` file (one document), of a ``.jsonl`` file (a
+document per row's ``text``) or of a Megatron / mff indexed dataset (``FILE.bin`` +
+``FILE.idx``: its documents' token ids, scored as they are).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from pathlib import Path
+
+from mff.eval.task import Generation, MultipleChoice, Perplexity, Task
+
+__all__ = ["read_task_file", "perplexity_task", "TaskFileError"]
+
+OUTPUT_TYPES = ("multiple_choice", "loglikelihood_rolling", "generate_until")
+
+
+class TaskFileError(ValueError):
+    """A task file that mff cannot use (the file and the key named)."""
+
+
+def _env():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+
+
+def _apply(rule, doc: dict, where: str, key: str):
+    """lm-eval's ``doc_to_*`` rule: a field name, a literal list / int, or a jinja2 template."""
+    if isinstance(rule, (list, int)):
+        return rule
+    if not isinstance(rule, str):
+        raise TaskFileError(f"{where}: {key} must be a field name, a template or a list, not {type(rule).__name__}")
+    if rule in doc:
+        return doc[rule]
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", rule):  # a field name, not a template
+        raise TaskFileError(f"{where}: {key} names the field {rule!r}, which a data row lacks (its fields: {', '.join(sorted(doc))})")
+    try:
+        return _env().from_string(rule).render(**doc)
+    except Exception as e:  # jinja2 raises many kinds (syntax, undefined, security)
+        raise TaskFileError(f"{where}: {key} template {rule!r} failed on a row with fields {sorted(doc)}: {type(e).__name__}: {e}") from None
+
+
+def _read_rows(path: Path, where: str) -> list[dict]:
+    if not path.is_file():
+        raise TaskFileError(f"{where}: data file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            rows = json.loads(text)
+            if isinstance(rows, dict) and isinstance(rows.get("data"), list):
+                rows = rows["data"]
+    except json.JSONDecodeError as e:
+        raise TaskFileError(f"{where}: {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise TaskFileError(f"{where}: {path} must hold JSON objects (a list, or one per line)")
+    if not rows:
+        raise TaskFileError(f"{where}: {path} holds no rows")
+    return rows
+
+
+def _data_file(cfg: dict, base: Path, where: str, split: str) -> Path:
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    if isinstance(files, dict):
+        if split not in files:
+            raise TaskFileError(f"{where}: dataset_kwargs.data_files has no {split!r} split (has {sorted(files)})")
+        files = files[split]
+    if isinstance(files, list) and len(files) == 1:
+        files = files[0]
+    if not isinstance(files, str):
+        raise TaskFileError(f"{where}: dataset_kwargs.data_files must name one local .json/.jsonl file (per split), got {files!r}")
+    p = Path(os.path.expanduser(files))
+    return p if p.is_absolute() else base / p
+
+
+def read_task_file(path: str | os.PathLike) -> Task:
+    """The task a YAML file describes (see the module docstring).
+
+    Raises:
+        TaskFileError: unreadable YAML, a missing required key (``task``, ``output_type``,
+            ``doc_to_text``; ``doc_to_choice`` and ``doc_to_target`` for multiple choice), an
+            unknown ``output_type``, a non-local dataset, data rows the rules cannot read.
+    """
+    import yaml
+
+    path = Path(path)
+    where = str(path)
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise TaskFileError(f"{where}: not a readable YAML task file ({e})") from None
+    if not isinstance(cfg, dict):
+        raise TaskFileError(f"{where}: a task file is a YAML mapping of lm-eval task keys")
+    kind = cfg.get("output_type", "generate_until")
+    need = ["task", "doc_to_text"] + (["doc_to_choice", "doc_to_target"] if kind == "multiple_choice" else [])
+    if kind == "loglikelihood_rolling":
+        need = ["task"]
+    missing = [k for k in need + ["dataset_path"] if k not in cfg]
+    if missing:
+        raise TaskFileError(f"{where}: missing key(s) {', '.join(missing)} (lm-eval task keys: task, dataset_path, dataset_kwargs, "
+                            "output_type, doc_to_text, doc_to_choice, doc_to_target)")
+    if kind not in OUTPUT_TYPES:
+        raise TaskFileError(f"{where}: output_type {kind!r}; expected one of {', '.join(OUTPUT_TYPES)}")
+    if cfg["dataset_path"] != "json":
+        raise TaskFileError(f"{where}: dataset_path {cfg['dataset_path']!r}: mff reads local data only (dataset_path: json with "
+                            "dataset_kwargs.data_files)")
+    split = cfg.get("test_split") or cfg.get("validation_split") or "train"
+    data = _data_file(cfg, path.parent, where, split)
+    name = str(cfg["task"])
+    description = str(cfg.get("description") or "")
+
+    def rows() -> list[dict]:
+        return _read_rows(data, where)
+
+    if kind == "loglikelihood_rolling":
+        rule = cfg.get("doc_to_target", cfg.get("doc_to_text"))
+        if rule is None:
+            raise TaskFileError(f"{where}: missing key doc_to_target (or doc_to_text): the text to score")
+        return Perplexity(name, lambda: [{"text": str(_apply(rule, r, where, "doc_to_target"))} for r in rows()], source=str(data))
+
+    def query(r: dict) -> str:
+        return str(_apply(cfg["doc_to_text"], r, where, "doc_to_text"))
+
+    common = dict(target_delimiter=str(cfg.get("target_delimiter", " ")), fewshot_delimiter=str(cfg.get("fewshot_delimiter", "\n\n")),
+                  num_fewshot=int(cfg.get("num_fewshot") or 0), description=lambda doc: description, source=str(data))
+    if kind == "multiple_choice":
+        def load() -> list[dict]:
+            docs = []
+            for n, r in enumerate(rows()):
+                choices = _apply(cfg["doc_to_choice"], r, where, "doc_to_choice")
+                if isinstance(choices, str):
+                    try:
+                        choices = ast.literal_eval(choices)
+                    except (ValueError, SyntaxError):
+                        raise TaskFileError(f"{where}: row {n}: doc_to_choice gave {choices[:80]!r}, not a list") from None
+                if not isinstance(choices, list) or not choices:
+                    raise TaskFileError(f"{where}: row {n}: doc_to_choice gave {choices!r}; expected a non-empty list")
+                choices = [str(c) for c in choices]
+                target = _apply(cfg["doc_to_target"], r, where, "doc_to_target")
+                if isinstance(target, str) and target.strip().isdigit():
+                    target = int(target)
+                if isinstance(target, int) and not isinstance(target, bool):
+                    gold = target
+                elif isinstance(target, str) and target in choices:
+                    gold = choices.index(target)
+                else:
+                    raise TaskFileError(f"{where}: row {n}: doc_to_target gave {target!r}: neither an index nor one of the choices")
+                if not 0 <= gold < len(choices):
+                    raise TaskFileError(f"{where}: row {n}: target index {gold} outside the {len(choices)} choices")
+                docs.append({"query": query(r), "choices": choices, "gold": gold})
+            return docs
+
+        return MultipleChoice(name, load, **common)
+    gen = cfg.get("generation_kwargs") or {}
+    until = gen.get("until", ["\n\n"])
+    until = (until,) if isinstance(until, str) else tuple(str(u) for u in until)
+    target_rule = cfg.get("doc_to_target", "")
+
+    def gen_load() -> list[dict]:
+        return [{"query": query(r), "target": str(_apply(target_rule, r, where, "doc_to_target"))} for r in rows()]
+
+    def exact_match(doc: dict, completion: str) -> dict[str, float]:
+        return {"exact_match": float(completion.strip() == doc["target"].strip())}
+
+    return Generation(name, gen_load, exact_match, until=until, max_gen_toks=int(gen.get("max_gen_toks", 256)), **common)
+
+
+def perplexity_task(spec: str) -> Perplexity:
+    """``ppl:FILE`` (see the module docstring). Raises FileNotFoundError naming what was looked for."""
+    p = Path(os.path.expanduser(spec[len("ppl:"):]))
+    if Path(str(p) + ".bin").is_file() and Path(str(p) + ".idx").is_file():
+        from mff.data.indexed import IndexedDataset
+
+        def load_ids() -> list[dict]:
+            ds = IndexedDataset(str(p))
+            return [{"ids": [int(t) for t in ds[i]]} for i in range(len(ds)) if len(ds[i])]
+
+        return Perplexity(f"ppl:{p.name}", load_ids, source=str(p))
+    if not p.is_file():
+        raise FileNotFoundError(f"{spec}: no file {p} (and no {p}.bin/{p}.idx dataset); give a .txt or .jsonl file or a dataset prefix")
+
+    def load_text() -> list[dict]:
+        if p.suffix == ".jsonl":
+            docs = []
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p} line {n}: not JSON ({e.msg})") from None
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise ValueError(f"{p} line {n}: expected an object with a \"text\" string")
+                docs.append({"text": row["text"]})
+            return docs
+        return [{"text": p.read_text(encoding="utf-8")}]
+
+    return Perplexity(f"ppl:{p.name}", load_text, source=str(p))
