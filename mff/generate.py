@@ -116,7 +116,7 @@ def generate(
     logits = None
     for start in range(0, T, chunk):
         batch = {"input_ids": input_ids[:, start:start + chunk], "attention_mask": attention_mask[:, start:start + chunk]}
-        out = model.forward(params, batch, cache, check=False)
+        out = model.forward(params, batch, cache, check=False, logits="last")
         cache, logits = out.cache, out.logits[:, -1]
     out_ids = [input_ids]
     done = torch.zeros(B, dtype=torch.bool, device=device)

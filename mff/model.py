@@ -381,7 +381,7 @@ class Model:
         *,
         target_counts: Mapping[str, torch.Tensor] | None = None,
         check: bool = True,
-        logits: bool = True,
+        logits: bool | str = True,
     ) -> Output:
         """Run the model on ``batch`` with ``params``.
 
@@ -403,6 +403,7 @@ class Model:
             logits: False skips ``Output.logits`` when labels are given (None then): the loss
                 terms are computed chunk by chunk from the hidden states
                 (:func:`mff.nn.loss.linear_cross_entropy_sum`), so no [B, T, V] tensor exists.
+                ``"last"``: ``Output.logits`` is the last position's only, [B, 1, V] (a prefill).
         Returns:
             :class:`Output`.
         Raises:
@@ -413,6 +414,8 @@ class Model:
                 ``target_counts`` lacking a term of this batch; a full cache.
             RuntimeError: missing or unexpected param paths (``functional_call(strict=True)``).
         """
+        if logits not in (True, False, "last"):
+            raise ValueError(f"logits={logits!r}; expected True, False or 'last'")
         if check:
             self._check_inputs(params, batch, target_counts)
         params = self._skeleton_params(params)

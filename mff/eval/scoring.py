@@ -129,7 +129,7 @@ def score_continuations(model: Model, params: Mapping[str, torch.Tensor], pairs:
             ids[g, Tc - len(ctx):] = torch.tensor(ctx)
             mask[g, Tc - len(ctx):] = True
         cache = model.init_cache(G, Tc + Lc - 1, dtype=dtype, device=device)
-        out = model.forward(params, {"input_ids": ids.to(device), "attention_mask": mask.to(device)}, cache, check=False)
+        out = model.forward(params, {"input_ids": ids.to(device), "attention_mask": mask.to(device)}, cache, check=False, logits="last")
         first = torch.log_softmax(out.logits[:, -1].float(), dim=-1)  # [G, V]
         rows = [(g, j) for g, (_, part) in enumerate(batch) for j in part]
         R = len(rows)

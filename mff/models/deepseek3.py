@@ -275,7 +275,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         head = self._head_weight()
         h_main = self.model.norm(h)
         with_loss = labels is not None and cache is None
-        out = Output(logits=head_logits(h_main, head) if return_logits or not with_loss else None, expert_load=expert_load, cache=new_cache)
+        if return_logits == "last":  # only the last position's logits (a prefill that samples or scores from it)
+            logits = head_logits(h_main[:, -1:], head)
+        else:
+            logits = head_logits(h_main, head) if return_logits or not with_loss else None
+        out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
         if not with_loss:
             return out
 

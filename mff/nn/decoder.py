@@ -174,7 +174,11 @@ class CausalLM(nn.Module):
                 indices.append(routing[2])
         head = head_weight(self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight)
         h = self.model.norm(h)
-        out = Output(logits=head_logits(h, head) if return_logits or labels is None else None, expert_load=expert_load, cache=new_cache)
+        if return_logits == "last":  # only the last position's logits (a prefill that samples or scores from it)
+            logits = head_logits(h[:, -1:], head)
+        else:
+            logits = head_logits(h, head) if return_logits or labels is None else None
+        out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
         if labels is None:
             return out
         counts = target_counts if target_counts is not None else {"lm": _count(labels), "balance": torch.tensor(labels.numel())}
