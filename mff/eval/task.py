@@ -26,20 +26,27 @@ __all__ = ["MultipleChoice", "Generation", "Perplexity", "Task", "fewshot_contex
 
 
 @dataclass
-class MultipleChoice:
-    """A multiple-choice task. ``load() -> docs``; ``fewshot_load``: a separate few-shot pool
-    (default: the other docs); ``description(doc) -> str`` starts every prompt."""
+class _Prompted:
+    """What prompted tasks share: ``load() -> docs``; ``description(doc) -> str`` starts every
+    prompt; ``fewshot_load``: a separate few-shot pool (default: the other docs), drawn within
+    the docs' ``fewshot_group`` field when set; ``spread``: ``--limit`` takes evenly spaced docs."""
 
     name: str
     load: Callable[[], list[dict]]
-    description: Callable[[dict], str] = lambda doc: ""
-    target_delimiter: str = " "
-    fewshot_delimiter: str = "\n\n"
-    num_fewshot: int = 0
-    fewshot_load: Callable[[], list[dict]] | None = None
-    fewshot_group: str | None = None
-    spread: bool = False
-    source: str = ""
+    description: Callable[[dict], str] = field(default=lambda doc: "", kw_only=True)
+    target_delimiter: str = field(default=" ", kw_only=True)
+    fewshot_delimiter: str = field(default="\n\n", kw_only=True)
+    num_fewshot: int = field(default=0, kw_only=True)
+    fewshot_load: Callable[[], list[dict]] | None = field(default=None, kw_only=True)
+    fewshot_group: str | None = field(default=None, kw_only=True)
+    spread: bool = field(default=False, kw_only=True)
+    source: str = field(default="", kw_only=True)
+
+
+@dataclass
+class MultipleChoice(_Prompted):
+    """A multiple-choice task over docs ``{"query", "choices", "gold"}``."""
+
     kind: str = field(default="multiple_choice", init=False)
 
     def target(self, doc: dict) -> str:
@@ -47,24 +54,13 @@ class MultipleChoice:
 
 
 @dataclass
-class Generation:
+class Generation(_Prompted):
     """A generation task: ``score(doc, completion) -> {metric: 0/1 or value}``, the text
     generated until one of ``until`` (or ``max_gen_toks`` tokens)."""
 
-    name: str
-    load: Callable[[], list[dict]]
     score: Callable[[dict, str], dict[str, float]]
-    until: tuple[str, ...] = ()
-    max_gen_toks: int = 256
-    description: Callable[[dict], str] = lambda doc: ""
-    target_delimiter: str = " "
-    fewshot_delimiter: str = "\n\n"
-    num_fewshot: int = 0
-    fewshot_load: Callable[[], list[dict]] | None = None
-    fewshot_group: str | None = None
-    spread: bool = False
-    source: str = ""
-    batch_score: Callable[[list[dict], list[str]], list[dict[str, float]]] | None = None
+    until: tuple[str, ...] = field(default=(), kw_only=True)
+    max_gen_toks: int = field(default=256, kw_only=True)
     kind: str = field(default="generate_until", init=False)
 
     def target(self, doc: dict) -> str:

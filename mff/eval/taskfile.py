@@ -68,23 +68,25 @@ def _apply(rule, doc: dict, where: str, key: str):
 
 
 def _read_rows(path: Path, where: str) -> list[dict]:
+    """The JSON objects of a ``.json`` (a list, or ``{"data": [...]}``) or ``.jsonl`` data file."""
+    from mff.data.sft_rows import read_rows
+
     if not path.is_file():
         raise TaskFileError(f"{where}: data file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8-sig"))
+        except (ValueError, RecursionError, OSError) as e:
+            raise TaskFileError(f"{where}: {path} is not a readable JSON file ({e})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("data"), list):  # the layout HF datasets' json builder also reads
+            rows = obj["data"]
+            if not rows or not all(isinstance(r, dict) for r in rows):
+                raise TaskFileError(f"{where}: {path}: \"data\" must be a non-empty list of JSON objects")
+            return rows
     try:
-        if path.suffix == ".jsonl":
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            rows = json.loads(text)
-            if isinstance(rows, dict) and isinstance(rows.get("data"), list):
-                rows = rows["data"]
-    except json.JSONDecodeError as e:
-        raise TaskFileError(f"{where}: {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise TaskFileError(f"{where}: {path} must hold JSON objects (a list, or one per line)")
-    if not rows:
-        raise TaskFileError(f"{where}: {path} holds no rows")
-    return rows
+        return [r.data for r in read_rows([str(path)])]
+    except (ValueError, FileNotFoundError) as e:
+        raise TaskFileError(f"{where}: {e}") from None
 
 
 def _data_file(cfg: dict, base: Path, where: str, split: str) -> Path:
@@ -209,18 +211,20 @@ def perplexity_task(spec: str) -> Perplexity:
 
     def load_text() -> list[dict]:
         if p.suffix == ".jsonl":
+            from mff.data.sft_rows import read_rows
+
             docs = []
-            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p} line {n}: not JSON ({e.msg})") from None
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise ValueError(f"{p} line {n}: expected an object with a \"text\" string")
-                docs.append({"text": row["text"]})
+            for r in read_rows([str(p)]):
+                if not isinstance(r.data.get("text"), str):
+                    raise ValueError(f"{r.where}: expected an object with a \"text\" string")
+                docs.append({"text": r.data["text"]})
             return docs
-        return [{"text": p.read_text(encoding="utf-8")}]
+        try:
+            text = p.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p} is not UTF-8 text: {e}") from None
+        if not text:
+            raise ValueError(f"{p} is empty: nothing to score")
+        return [{"text": text}]
 
     return Perplexity(f"ppl:{p.name}", load_text, source=str(p))

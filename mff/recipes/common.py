@@ -18,7 +18,7 @@ from mff.train.log import RunLog, is_rank0, print0
 from mff.train.state import check_resume_config, config_to_dict, restore_rng, rng_state
 
 __all__ = ["parse_model_args", "RunLog", "config_to_dict", "check_resume_config", "rng_state", "restore_rng", "fail", "print0", "is_rank0",
-           "run_training_main"]
+           "run_training_main", "run_recipe_main"]
 
 
 def fail(err: BaseException, code: int) -> int:
@@ -74,9 +74,9 @@ def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, descripti
     return family.name, size, cfg
 
 
-def run_training_main(body: Callable[[], int]) -> int:
-    """Run a training recipe's ``body`` and turn its errors into one-line exits: bad input 2,
-    checkpoint / numeric / OS errors 1; a collective timeout leaves at once (the other ranks are
+def run_recipe_main(body: Callable[[], int]) -> int:
+    """Run a recipe's ``body`` and turn its errors into one-line exits: bad input 2,
+    checkpoint / numeric / OS errors 1, Ctrl-C 130; a collective timeout leaves at once (the other ranks are
     gone or stuck, so tearing the group down could block on them). A process group this call
     did not find already set up (research code or a test may run a recipe inside its own) is
     destroyed at the end: leaving gloo's threads to static destruction can abort a rank."""
@@ -88,6 +88,9 @@ def run_training_main(body: Callable[[], int]) -> int:
     owns_group = not dist.is_initialized()
     try:
         return body()
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
         return fail(e, 2)
     except (CheckpointError, NonFiniteError, OSError) as e:
@@ -99,3 +102,6 @@ def run_training_main(body: Callable[[], int]) -> int:
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+run_training_main = run_recipe_main  # the name the training recipes use

@@ -29,9 +29,8 @@ from typing import Literal
 import torch
 import tyro
 
-from mff.backend import DeviceUnavailable, init_distributed, resolve_device
-from mff.ckpt.checkpoint import CheckpointError
-from mff.recipes.common import fail, is_rank0
+from mff.backend import init_distributed, resolve_device
+from mff.recipes.common import is_rank0, run_recipe_main
 
 __all__ = ["EvalConfig", "run", "main", "format_table"]
 
@@ -185,19 +184,15 @@ def run_harness(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if argv[:1] == ["--harness"]:
-            rest = argv[1:]
-            return run_harness(rest[1:] if rest[:1] == ["--"] else rest)
+    if argv[:1] == ["--harness"]:
+        rest = argv[1:]
+        return run_recipe_main(lambda: run_harness(rest[1:] if rest[:1] == ["--"] else rest))
+
+    def body() -> int:
         run(tyro.cli(EvalConfig, args=argv, prog="python -m mff.recipes.eval", description=__doc__))
         return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
-        return fail(e, 2)
-    except (CheckpointError, OSError) as e:
-        return fail(e, 1)
+
+    return run_recipe_main(body)
 
 
 if __name__ == "__main__":

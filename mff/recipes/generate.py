@@ -21,12 +21,11 @@ from typing import Literal
 import torch
 import tyro
 
-from mff.backend import DeviceUnavailable, resolve_device
-from mff.ckpt.checkpoint import CheckpointError
+from mff.backend import resolve_device
 from mff.data.chat import render_chat_template
 from mff.generate import generate
 from mff.peft.load import load_with_text
-from mff.recipes.common import fail
+from mff.recipes.common import run_recipe_main
 from mff.sampling import SamplingConfig
 
 __all__ = ["GenerateConfig", "main"]
@@ -133,16 +132,12 @@ def run(cfg: GenerateConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def body() -> int:
         run(tyro.cli(GenerateConfig, args=argv, prog="python -m mff.recipes.generate", description=__doc__))
         return 0
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
-    except (ValueError, TypeError, FileNotFoundError, DeviceUnavailable) as e:
-        return fail(e, 2)
-    except (CheckpointError, OSError) as e:
-        return fail(e, 1)
+
+    return run_recipe_main(body)
 
 
 if __name__ == "__main__":
