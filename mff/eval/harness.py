@@ -65,8 +65,11 @@ class MffLM(TemplateLM):
 
     def __init__(self, pretrained: str | None = None, adapter: str | None = None, tokenizer: str | None = None,
                  batch_size: int | str | None = 32, max_length: int | str | None = None, device: str | None = None,
-                 dtype: str = "float32", lm: LanguageModel | None = None, seed: int = 0, **unused: Any):
+                 dtype: str = "float32", lm: LanguageModel | None = None, seed: int = 0, max_batch_size: Any = None, **unknown: Any):
         super().__init__()
+        if unknown:
+            raise ValueError(f"unknown --model_args for the mff backend: {', '.join(sorted(unknown))}; known: pretrained, adapter, "
+                             "tokenizer, batch_size, max_length, device, dtype, seed")
         if lm is None:
             if pretrained is None:
                 raise ValueError("the mff backend needs --model_args pretrained=PATH (a checkpoint mff loads)")
@@ -77,7 +80,8 @@ class MffLM(TemplateLM):
             dev = _device(device)
             model, params, text = load_with_text(pretrained, dev, DTYPES[dtype], adapter=adapter, tokenizer=tokenizer)
             lm = LanguageModel(model, params, text.tokenizer, text.bos_token, text.eos_token, list(text.eos_ids),
-                               batch_size=_int("batch_size", batch_size, 32), max_length=_int("max_length", max_length, None), seed=seed)
+                               batch_size=_int("batch_size", batch_size, 32), max_length=_int("max_length", max_length, None),
+                               seed=_int("seed", seed, 0))
         self.lm = lm
 
     @property

@@ -37,6 +37,10 @@ class GenerationRequest:
     max_gen_toks: int = 256
     temperature: float = 0.0
 
+    def __post_init__(self):
+        if isinstance(self.until, str):  # one stop string, not its characters
+            object.__setattr__(self, "until", (self.until,))
+
 
 @dataclass
 class LanguageModel:
@@ -108,7 +112,9 @@ class LanguageModel:
                     progress: Callable[[int, int], None] | None = None) -> list[float]:
         """Rolling log-likelihood (natural log) of token sequences: positions ``1 .. n-1`` of each
         scored once (:func:`mff.eval.tokens.rolling_windows`, ``window`` default the model's length)."""
-        window = window or self.length
+        window = self.length if window is None else window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window={window!r} must be an int >= 1")
         if window > self.length:
             raise ValueError(f"window={window} exceeds the model's length {self.length}")
         pairs, owner = [], []
@@ -144,6 +150,8 @@ class LanguageModel:
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].context))
         out: list[str | None] = [None] * len(requests)
         done = 0
+        if progress is not None:
+            progress(0, len(requests))
         for b in range(0, len(order), self.batch_size):
             idx = order[b:b + self.batch_size]
             # one batch generates with one setting: split when they differ

@@ -110,6 +110,8 @@ def evaluate(lm: LanguageModel, tasks: Sequence[Task], *, limit: int | None = No
         k = task.num_fewshot if num_fewshot is None else num_fewshot
         before = lm.stats.as_dict()
         tick = (lambda done, total, name=task.name: progress(name, done, total)) if progress else None
+        if k and getattr(task, "ready_made", False):
+            raise ValueError(f"--num-fewshot {k}: task {task.name} holds ready-made prompts (their shots are part of the file)")
         if isinstance(task, Perplexity):
             if k:
                 raise ValueError(f"--num-fewshot {k}: task {task.name} is a perplexity task (no prompts)")
@@ -154,7 +156,10 @@ def _multiple_choice(lm, task: MultipleChoice, docs, prompts, mine, tick) -> lis
 
 def _generation(lm, task: Generation, docs, prompts, mine, tick) -> list[tuple[int, dict]]:
     reqs = [GenerationRequest(prompts[i], task.until, task.max_gen_toks) for i in mine]
-    texts = lm.generate_until(reqs, progress=tick)
+    try:
+        texts = lm.generate_until(reqs, progress=tick)
+    except ValueError as e:
+        raise ValueError(f"task {task.name}: {e}") from None
     out = []
     for i, text in zip(mine, texts):
         scores = {k: float(v) for k, v in task.score(docs[i], text).items()}

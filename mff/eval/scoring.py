@@ -119,6 +119,8 @@ def score_continuations(model: Model, params: Mapping[str, torch.Tensor], pairs:
     dtype = params["model.embed_tokens.weight"].dtype
     results: list[tuple[float, bool] | None] = [None] * len(ctxs)
     done = 0
+    if progress is not None:
+        progress(0, len(ctxs))  # the clock starts before the first (largest) batch
     for batch in _batches(groups, conts, options.batch_size, limit):
         G = len(batch)
         Tc = max(len(ctx) for ctx, _ in batch)

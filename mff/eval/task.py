@@ -45,8 +45,10 @@ class _Prompted:
 
 @dataclass
 class MultipleChoice(_Prompted):
-    """A multiple-choice task over docs ``{"query", "choices", "gold"}``."""
+    """A multiple-choice task over docs ``{"query", "choices", "gold"}``; ``ready_made``: the
+    queries are finished prompts (their few-shot examples included), so no shots are added."""
 
+    ready_made: bool = field(default=False, kw_only=True)
     kind: str = field(default="multiple_choice", init=False)
 
     def target(self, doc: dict) -> str:

@@ -17,7 +17,9 @@ so one file serves both mff and ``lm_eval --include_path``::
     generation_kwargs: {until: ["\\n"], max_gen_toks: 64}
 
 ``doc_to_*`` values that name a field of the row take that field; other strings are jinja2
-templates (sandboxed), as in lm-eval. Relative data paths are taken from the YAML's folder.
+templates (sandboxed; an unknown name is an error), as in lm-eval. Relative data paths are
+taken from the YAML's folder (lm-eval takes them from the working directory: write absolute
+paths in a file meant for both).
 Read: ``dataset_path: json`` with ``.json``/``.jsonl`` files (other dataset paths need the HF
 hub, which mff never reaches at run time).
 
@@ -46,9 +48,10 @@ class TaskFileError(ValueError):
 
 
 def _env():
+    from jinja2 import StrictUndefined
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    return ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+    return ImmutableSandboxedEnvironment(keep_trailing_newline=True, undefined=StrictUndefined)  # as lm-eval: an unknown name is an error
 
 
 def _apply(rule, doc: dict, where: str, key: str):
@@ -90,7 +93,10 @@ def _read_rows(path: Path, where: str) -> list[dict]:
 
 
 def _data_file(cfg: dict, base: Path, where: str, split: str) -> Path:
-    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    kwargs = cfg.get("dataset_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise TaskFileError(f"{where}: dataset_kwargs must be a mapping with data_files, got {type(kwargs).__name__}")
+    files = kwargs.get("data_files")
     if isinstance(files, dict):
         if split not in files:
             raise TaskFileError(f"{where}: dataset_kwargs.data_files has no {split!r} split (has {sorted(files)})")
@@ -101,6 +107,36 @@ def _data_file(cfg: dict, base: Path, where: str, split: str) -> Path:
         raise TaskFileError(f"{where}: dataset_kwargs.data_files must name one local .json/.jsonl file (per split), got {files!r}")
     p = Path(os.path.expanduser(files))
     return p if p.is_absolute() else base / p
+
+
+def _check_types(cfg: dict, where: str) -> None:
+    """The value types lm-eval accepts for the keys mff reads; raises TaskFileError naming the key."""
+    def bad(key: str, want: str):
+        raise TaskFileError(f"{where}: {key} is {cfg[key]!r}; expected {want}")
+
+    if not isinstance(cfg["task"], str) or not cfg["task"]:
+        bad("task", "a non-empty name")
+    for key in ("doc_to_text", "doc_to_target"):
+        if key in cfg and not (isinstance(cfg[key], str) or (isinstance(cfg[key], int) and not isinstance(cfg[key], bool))):
+            bad(key, "a field name, a jinja2 template or an int")
+    if "doc_to_choice" in cfg and not isinstance(cfg["doc_to_choice"], (str, list)):
+        bad("doc_to_choice", "a field name, a template or a list of strings")
+    for key in ("target_delimiter", "fewshot_delimiter", "description"):
+        if key in cfg and cfg[key] is not None and not isinstance(cfg[key], str):
+            bad(key, "a string")
+    if "num_fewshot" in cfg and cfg["num_fewshot"] is not None and (
+            isinstance(cfg["num_fewshot"], bool) or not isinstance(cfg["num_fewshot"], int) or cfg["num_fewshot"] < 0):
+        bad("num_fewshot", "an int >= 0")
+    gen = cfg.get("generation_kwargs")
+    if gen is not None:
+        if not isinstance(gen, dict):
+            bad("generation_kwargs", "a mapping (until, max_gen_toks)")
+        until = gen.get("until", [])
+        if not (isinstance(until, str) or (isinstance(until, list) and all(isinstance(u, str) and u for u in until))):
+            raise TaskFileError(f"{where}: generation_kwargs.until is {until!r}; expected a string or a list of non-empty strings")
+        mg = gen.get("max_gen_toks", 256)
+        if isinstance(mg, bool) or not isinstance(mg, int) or mg < 1:
+            raise TaskFileError(f"{where}: generation_kwargs.max_gen_toks is {mg!r}; expected an int >= 1")
 
 
 def read_task_file(path: str | os.PathLike) -> Task:
@@ -115,10 +151,18 @@ def read_task_file(path: str | os.PathLike) -> Task:
 
     path = Path(path)
     where = str(path)
+    if not path.is_file():
+        raise TaskFileError(f"{where}: no such task file (a .yaml file of lm-eval task keys)")
     try:
         cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise TaskFileError(f"{where}: not a readable YAML task file ({e})") from None
+    except UnicodeDecodeError as e:
+        raise TaskFileError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise TaskFileError(f"{where}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    except OSError as e:
+        raise TaskFileError(f"{where}: cannot be read ({e.strerror or e})") from None
     if not isinstance(cfg, dict):
         raise TaskFileError(f"{where}: a task file is a YAML mapping of lm-eval task keys")
     kind = cfg.get("output_type", "generate_until")
@@ -134,10 +178,16 @@ def read_task_file(path: str | os.PathLike) -> Task:
     if cfg["dataset_path"] != "json":
         raise TaskFileError(f"{where}: dataset_path {cfg['dataset_path']!r}: mff reads local data only (dataset_path: json with "
                             "dataset_kwargs.data_files)")
-    split = cfg.get("test_split") or cfg.get("validation_split") or "train"
+    split = cfg.get("test_split") or cfg.get("validation_split")
+    if not isinstance(split, str):
+        raise TaskFileError(f"{where}: needs test_split (or validation_split): the data_files split to evaluate, as lm-eval requires")
+    _check_types(cfg, where)
     data = _data_file(cfg, path.parent, where, split)
-    name = str(cfg["task"])
-    description = str(cfg.get("description") or "")
+    name = cfg["task"]
+    description = cfg.get("description") or ""
+
+    def describe(doc: dict) -> str:
+        return str(_apply(description, doc, where, "description")) if description else ""
 
     def rows() -> list[dict]:
         return _read_rows(data, where)
@@ -152,7 +202,7 @@ def read_task_file(path: str | os.PathLike) -> Task:
         return str(_apply(cfg["doc_to_text"], r, where, "doc_to_text"))
 
     common = dict(target_delimiter=str(cfg.get("target_delimiter", " ")), fewshot_delimiter=str(cfg.get("fewshot_delimiter", "\n\n")),
-                  num_fewshot=int(cfg.get("num_fewshot") or 0), description=lambda doc: description, source=str(data))
+                  num_fewshot=int(cfg.get("num_fewshot") or 0), description=describe, source=str(data))
     if kind == "multiple_choice":
         def load() -> list[dict]:
             docs = []
@@ -183,7 +233,7 @@ def read_task_file(path: str | os.PathLike) -> Task:
         return MultipleChoice(name, load, **common)
     gen = cfg.get("generation_kwargs") or {}
     until = gen.get("until", ["\n\n"])
-    until = (until,) if isinstance(until, str) else tuple(str(u) for u in until)
+    until = (until,) if isinstance(until, str) else tuple(until)
     target_rule = cfg.get("doc_to_target", "")
 
     def gen_load() -> list[dict]:
@@ -198,6 +248,8 @@ def read_task_file(path: str | os.PathLike) -> Task:
 def perplexity_task(spec: str) -> Perplexity:
     """``ppl:FILE`` (see the module docstring). Raises FileNotFoundError naming what was looked for."""
     p = Path(os.path.expanduser(spec[len("ppl:"):]))
+    if p.suffix in (".bin", ".idx") and p.with_suffix(".bin").is_file() and p.with_suffix(".idx").is_file():
+        p = p.with_suffix("")  # a dataset named by one of its two files
     if Path(str(p) + ".bin").is_file() and Path(str(p) + ".idx").is_file():
         from mff.data.indexed import IndexedDataset
 
@@ -208,6 +260,9 @@ def perplexity_task(spec: str) -> Perplexity:
         return Perplexity(f"ppl:{p.name}", load_ids, source=str(p))
     if not p.is_file():
         raise FileNotFoundError(f"{spec}: no file {p} (and no {p}.bin/{p}.idx dataset); give a .txt or .jsonl file or a dataset prefix")
+    if p.suffix not in (".txt", ".jsonl", ".md", ".text", ""):
+        raise ValueError(f"{spec}: {p.suffix} files are not text; give a .txt or .jsonl file (rows with a \"text\" field) or the "
+                         "prefix of a Megatron .bin/.idx dataset")
 
     def load_text() -> list[dict]:
         if p.suffix == ".jsonl":
@@ -223,7 +278,7 @@ def perplexity_task(spec: str) -> Perplexity:
             text = p.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as e:
             raise ValueError(f"{p} is not UTF-8 text: {e}") from None
-        if not text:
+        if not text.strip():
             raise ValueError(f"{p} is empty: nothing to score")
         return [{"text": text}]
 

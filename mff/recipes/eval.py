@@ -17,6 +17,7 @@ timings, to ``--output`` (JSON).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -50,17 +51,17 @@ class EvalConfig:
     tokenizer: str | None = None
     """A tokenizer.json to use instead of the checkpoint's."""
     limit: int | None = None
-    """Documents per task (default: all)."""
+    """Documents per task; none = all."""
     num_fewshot: int | None = None
-    """Examples per prompt (default: each task's own; gsm8k 5, the others 0)."""
+    """Examples per prompt; none = each task's own (gsm8k 5, the others 0)."""
     batch_size: int = 32
     """Continuations (or generations) per forward."""
     max_length: int | None = None
-    """Tokens per request (default: the model's max_position_embeddings); longer contexts lose their first tokens."""
+    """Tokens per request; none = the model's max_position_embeddings. Longer contexts lose their first tokens."""
     seed: int = 0
     """Seed of the few-shot draws and of sampled generation."""
     output: str | None = "eval_results.json"
-    """The JSON results file (none with --output '')."""
+    """The JSON results file (none with --output ''); NaN standard errors are written as null."""
     device: str | None = None
     """cpu, cuda, npu or auto (default: $MF_DEVICE_TYPE, else auto)."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
@@ -91,11 +92,39 @@ def format_table(results) -> str:
     return "\n".join(lines)
 
 
+def _check_output(output: str) -> Path:
+    """``--output`` as a path that can take a file: not a folder, a device or a link; its folder writable."""
+    path = Path(output)
+    if path.name in ("", ".", ".."):
+        raise ValueError(f"--output {output!r} must name a file (e.g. results.json)")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise ValueError(f"--output {output}: exists and is not a regular file (a folder, device or link); name a .json file")
+    parent = path.parent if str(path.parent) else Path(".")
+    existing = next((p for p in [parent, *parent.parents] if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise ValueError(f"--output {output}: {existing} is not a writable folder")
+    return path
+
+
+def _finite(x):
+    """JSON without NaN / Infinity (not JSON): they become null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, allow_nan=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def run(cfg: EvalConfig):
@@ -118,7 +147,23 @@ def run(cfg: EvalConfig):
         if cfg.threads < 1:
             raise ValueError(f"--threads {cfg.threads} must be >= 1")
         torch.set_num_threads(cfg.threads)
-    tasks = [resolve_task(n) for n in names]  # unknown names fail before the checkpoint loads
+    if not 0 <= cfg.seed < 2**63:
+        raise ValueError(f"--seed {cfg.seed} must be in [0, 2**63)")
+    output = _check_output(cfg.output) if cfg.output else None
+    tasks = [resolve_task(n) for n in names]  # unknown names and bad task files fail before the checkpoint loads
+    seen: dict[str, str] = {}
+    for n, t in zip(names, tasks):
+        if t.name in seen:
+            raise ValueError(f"--tasks: {n!r} and {seen[t.name]!r} are both named {t.name!r}; the results are keyed by task name, "
+                             "give each task once (rename a task file's `task:`)")
+        seen[t.name] = n
+    loaded = []
+    for t in tasks:  # their data too: a missing package or bad row fails now, not after the first tasks ran
+        docs = t.load()
+        t = copy.copy(t)  # the built-in tasks are shared objects
+        t.load = lambda docs=docs: docs
+        loaded.append(t)
+    tasks = loaded
     device_type = resolve_device(cfg.device)
     info = init_distributed(device_type) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     device = info.device if info is not None else torch.device(device_type)
@@ -136,7 +181,8 @@ def run(cfg: EvalConfig):
         bar = bars.get(name)
         if bar is None:
             bar = bars[name] = tqdm(total=total, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True)
-        bar.update(done - bar.n)
+        if done > bar.n:
+            bar.update(done - bar.n)
         if done >= total:
             bar.close()
 
@@ -149,9 +195,9 @@ def run(cfg: EvalConfig):
             for key, n in r.counts.items():
                 if n:
                     print(f"note: {r.task}: {n} {key.replace('_', ' ')}", file=sys.stderr)
-        if cfg.output:
+        if output is not None:
             world = info.world_size if info is not None else 1
-            _write_json(Path(cfg.output), {
+            _write_json(output, {
                 "results": {r.task: {**r.metrics, **{f"{k}_stderr": v for k, v in r.stderr.items()}} for r in results},
                 "tasks": {r.task: {"kind": r.kind, "samples": r.samples, "num_fewshot": r.num_fewshot, "source": r.source,
                                    "counts": r.counts, "seconds": round(r.seconds, 3)} for r in results},
