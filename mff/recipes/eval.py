@@ -157,6 +157,10 @@ def run(cfg: EvalConfig):
             raise ValueError(f"--tasks: {n!r} and {seen[t.name]!r} are both named {t.name!r}; the results are keyed by task name, "
                              "give each task once (rename a task file's `task:`)")
         seen[t.name] = n
+    for t in tasks:
+        if cfg.num_fewshot and (t.kind == "loglikelihood_rolling" or getattr(t, "ready_made", False)):
+            what = "a perplexity task (no prompts)" if t.kind == "loglikelihood_rolling" else "ready-made prompts (their shots are in the file)"
+            raise ValueError(f"--num-fewshot {cfg.num_fewshot}: task {t.name} holds {what}")
     loaded = []
     for t in tasks:  # their data too: a missing package or bad row fails now, not after the first tasks ran
         docs = t.load()
