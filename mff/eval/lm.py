@@ -132,10 +132,15 @@ class LanguageModel:
         """Sum of the log-probabilities of every token of each text, the first conditioned on the
         prefix token (lm-eval's ``loglikelihood_rolling``). Raises ValueError when the tokenizer has
         no BOS or EOS token to start with."""
+        return self.rolling_ids([self.rolling_sequence(t) for t in texts], window, stride, progress)
+
+    def rolling_sequence(self, text: str) -> list[int]:
+        """``[prefix id] + encode(text)``: the sequence :meth:`loglikelihood_rolling` scores from
+        position 1. Raises ValueError when the tokenizer has no BOS or EOS token."""
         prefix = self.prefix_id
         if prefix is None:
             raise ValueError("rolling log-likelihood needs a BOS or EOS token to condition the first token on; the tokenizer has neither")
-        return self.rolling_ids([[prefix] + self.encode(t) for t in texts], window, stride, progress)
+        return [prefix] + self.encode(text)
 
     def generate_until(self, requests: Sequence[GenerationRequest], progress: Callable[[int, int], None] | None = None) -> list[str]:
         """The text generated for each request, cut before its first stop string.

@@ -21,7 +21,7 @@ from mff.eval.lm import GenerationRequest, LanguageModel
 from mff.eval.metrics import choice_metrics, mean, mean_stderr, perplexity_metrics
 from mff.eval.task import Generation, MultipleChoice, Perplexity, Task, fewshot_context, select_docs
 
-__all__ = ["evaluate", "resolve_task", "TaskResult"]
+__all__ = ["evaluate", "resolve_task", "check_fewshot", "TaskResult"]
 
 
 @dataclass
@@ -53,6 +53,17 @@ def resolve_task(name: str) -> Task:
     if name.endswith((".yaml", ".yml")):
         return read_task_file(name)
     return get_benchmark(name)
+
+
+def check_fewshot(task: Task, k: int) -> None:
+    """Raises ValueError when ``k`` > 0 examples are asked of a task without prompts of ours
+    (a perplexity task, or ready-made prompts whose shots are in the file)."""
+    if not k:
+        return
+    if isinstance(task, Perplexity):
+        raise ValueError(f"--num-fewshot {k}: task {task.name} is a perplexity task (no prompts)")
+    if getattr(task, "ready_made", False):
+        raise ValueError(f"--num-fewshot {k}: task {task.name} holds ready-made prompts (their shots are part of the file)")
 
 
 def _world() -> tuple[int, int]:
@@ -110,12 +121,9 @@ def evaluate(lm: LanguageModel, tasks: Sequence[Task], *, limit: int | None = No
         k = task.num_fewshot if num_fewshot is None else num_fewshot
         before = lm.stats.as_dict()
         tick = (lambda done, total, name=task.name: progress(name, done, total)) if progress else None
-        if k and getattr(task, "ready_made", False):
-            raise ValueError(f"--num-fewshot {k}: task {task.name} holds ready-made prompts (their shots are part of the file)")
+        check_fewshot(task, k)
         if isinstance(task, Perplexity):
-            if k:
-                raise ValueError(f"--num-fewshot {k}: task {task.name} is a perplexity task (no prompts)")
-            per_doc, metrics, stderr = _perplexity(lm, docs, chosen, mine, tick)
+            per_doc, metrics, stderr = _perplexity(lm, docs, mine, tick)
         else:
             pool = task.fewshot_load() if (k and task.fewshot_load is not None) else None
             prompts = {i: fewshot_context(task, docs, i, k, seed, pool) for i in mine}
@@ -167,19 +175,22 @@ def _generation(lm, task: Generation, docs, prompts, mine, tick) -> list[tuple[i
     return out
 
 
-def _perplexity(lm, docs, chosen, mine, tick):
-    texts = [d for d in (docs[i] for i in mine)]
-    if all("ids" in d for d in texts):
-        prefix = lm.prefix_id
-        seqs = [([prefix] if prefix is not None else []) + list(d["ids"]) for d in texts]
-        lls = lm.rolling_ids(seqs, progress=tick)
-        per = [(i, {"loglikelihood": ll, "tokens": len(s) - 1, "words": 0, "bytes": 0}) for i, ll, s in zip(mine, lls, seqs)]
-    else:
-        lls = lm.loglikelihood_rolling([d["text"] for d in texts], progress=tick)
-        per = []
-        for i, ll, d in zip(mine, lls, texts):
-            per.append((i, {"loglikelihood": ll, "tokens": len(lm.encode(d["text"])), "words": len(re.split(r"\s+", d["text"])),
-                            "bytes": len(d["text"].encode("utf-8"))}))
+def _perplexity(lm, docs, mine, tick):
+    """Text docs are encoded once (the token count is that of the scored sequence); token docs
+    are scored as they are, after the prefix token when there is one."""
+    prefix = lm.prefix_id
+    seqs, counts = [], []
+    for i in mine:
+        d = docs[i]
+        if "ids" in d:
+            seqs.append(([prefix] if prefix is not None else []) + list(d["ids"]))
+            counts.append((0, 0))
+        else:
+            seqs.append(lm.rolling_sequence(d["text"]))
+            counts.append((len(re.split(r"\s+", d["text"])), len(d["text"].encode("utf-8"))))
+    lls = lm.rolling_ids(seqs, progress=tick)
+    per = [(i, {"loglikelihood": ll, "tokens": len(seq) - 1, "words": words, "bytes": nbytes})
+           for i, ll, seq, (words, nbytes) in zip(mine, lls, seqs, counts)]
     per_doc = [d for d in _gather(per, len(docs)) if d is not None]
     metrics = perplexity_metrics([d["loglikelihood"] for d in per_doc], [d["tokens"] for d in per_doc],
                                  [d["words"] for d in per_doc], [d["bytes"] for d in per_doc])

@@ -130,7 +130,7 @@ def _write_json(path: Path, data: dict) -> None:
 def run(cfg: EvalConfig):
     """Evaluate as :class:`EvalConfig` says; returns the list of :class:`mff.eval.runner.TaskResult`."""
     from mff.eval.lm import LanguageModel
-    from mff.eval.runner import evaluate, resolve_task
+    from mff.eval.runner import check_fewshot, evaluate, resolve_task
     from mff.peft.load import load_with_text
 
     t_start = time.perf_counter()
@@ -158,9 +158,7 @@ def run(cfg: EvalConfig):
                              "give each task once (rename a task file's `task:`)")
         seen[t.name] = n
     for t in tasks:
-        if cfg.num_fewshot and (t.kind == "loglikelihood_rolling" or getattr(t, "ready_made", False)):
-            what = "a perplexity task (no prompts)" if t.kind == "loglikelihood_rolling" else "ready-made prompts (their shots are in the file)"
-            raise ValueError(f"--num-fewshot {cfg.num_fewshot}: task {t.name} holds {what}")
+        check_fewshot(t, cfg.num_fewshot)
     loaded = []
     for t in tasks:  # their data too: a missing package or bad row fails now, not after the first tasks ran
         docs = t.load()
