@@ -15,11 +15,17 @@ FAMILIES: dict[str, Family] = {
 
 
 def get_family(name: str) -> Family:
-    """The family called ``name``. Raises ValueError listing the valid names."""
-    try:
+    """The family called ``name``, or the one that reads HF configs of ``model_type`` ``name``
+    (``deepseek_v3`` is ``deepseek3``, ``qwen2`` is ``llama``). Raises ValueError listing the
+    valid names."""
+    if name in FAMILIES:
         return FAMILIES[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(FAMILIES))}") from None
+    for fam in FAMILIES.values():
+        if name in fam.hf_model_types:
+            return fam
+    aliases = sorted(t for f in FAMILIES.values() for t in f.hf_model_types if t not in FAMILIES)
+    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(FAMILIES))} "
+                     f"(or an HF model_type: {', '.join(aliases)})")
 
 
 def family_for_model_type(model_type: str) -> Family:

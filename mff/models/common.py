@@ -189,11 +189,20 @@ def _rope_from_dict(where: str, src: dict) -> RopeParameters:
     return RopeParameters(**kwargs)
 
 
-def _rope_from_hf(d: Mapping[str, Any], partial_rotary: bool) -> RopeParameters:
+def _rope_from_hf(d: Mapping[str, Any], partial_rotary: bool, defaults: RopeParameters = RopeParameters(),
+                  max_position_embeddings: int = 4096) -> RopeParameters:
     """RoPE parameters from either generation of HF config: v5 ``rope_parameters`` (with
     ``rope_theta`` inside) or v4 ``rope_theta`` + ``rope_scaling`` (``type`` or ``rope_type``),
     ``partial_rotary_factor`` inside or at the top level (read only by families that use it,
-    as HF does)."""
+    as HF does).
+
+    A key the config leaves out means what it means to transformers (``PreTrainedConfig.
+    standardize_rope_params`` and ``modeling_rope_utils``): ``rope_theta`` and
+    ``partial_rotary_factor`` take the family's defaults (``defaults``: GLM-4's 0.5, ...);
+    YaRN and llama3 without ``original_max_position_embeddings`` take a top-level
+    ``original_max_position_embeddings`` if there is one, else ``max_position_embeddings``; YaRN
+    without ``mscale`` derives its cos/sin factor from ``factor`` alone (stored as mscale 0).
+    """
     src: dict[str, Any] = {}
     for key in ("rope_parameters", "rope_scaling"):
         part = d.get(key)
@@ -204,17 +213,26 @@ def _rope_from_hf(d: Mapping[str, Any], partial_rotary: bool) -> RopeParameters:
         src.update(rp)
     if isinstance(rs, Mapping) and rs.get("rope_type", rs.get("type", "default")) != "default":
         src.update(rs)  # a legacy scaling block wins over a default rope_parameters (as HF v5 standardises it)
-    if "rope_theta" not in src and d.get("rope_theta") is not None:
-        src["rope_theta"] = d["rope_theta"]
-    if "partial_rotary_factor" not in src and d.get("partial_rotary_factor") is not None:
-        src["partial_rotary_factor"] = d["partial_rotary_factor"]
+    if src.get("rope_theta") is None:
+        src["rope_theta"] = d["rope_theta"] if d.get("rope_theta") is not None else defaults.rope_theta
     if not partial_rotary:
         src.pop("partial_rotary_factor", None)
+    elif src.get("partial_rotary_factor") is None:
+        top = d.get("partial_rotary_factor")
+        src["partial_rotary_factor"] = top if top is not None else defaults.partial_rotary_factor
     if "type" in src and "rope_type" not in src:
         src["rope_type"] = src["type"]
     rope_type = src.get("rope_type", "default")
     if rope_type not in ("default", "yarn", "llama3"):
         raise ValueError(f"config.json: rope type {rope_type!r} is not supported (supported: default, yarn, llama3)")
+    if rope_type in ("yarn", "llama3"):
+        if d.get("original_max_position_embeddings") is not None:  # HF gives a top-level one priority (Phi-3's layout)
+            src["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        elif src.get("original_max_position_embeddings") is None:
+            mpe = d.get("max_position_embeddings")
+            src["original_max_position_embeddings"] = mpe if mpe is not None else max_position_embeddings
+    if rope_type == "yarn" and src.get("mscale") is None:
+        src["mscale"] = 0.0
     return _rope_from_dict("config.json", src)
 
 
@@ -240,14 +258,16 @@ def config_from_hf(config_cls: type, d: Mapping[str, Any], aliases: Mapping[str,
 
     Each field takes the value of the key of its own name, else of one of its ``aliases`` (e.g.
     ``num_experts`` / ``num_local_experts``); missing keys keep the class default (the HF
-    config class's default), other keys are ignored. Every value is type-checked against the
+    config class's default: ``tests/test_config_defaults.py`` checks every key of every family
+    against transformers), other keys are ignored. Every value is type-checked against the
     field (``"false"`` is not a bool, ``"64"`` not an int). ``rope_parameters`` accepts both HF
     generations (see :func:`_rope_from_hf`); ``partial_rotary`` families also read
     ``partial_rotary_factor``. ``checks`` rejects configs asking for features mff lacks.
 
     Raises:
         ValueError: a value of the wrong type, ``hidden_act`` other than silu, an unsupported or
-            incomplete rope block, or what ``checks`` rejects; the message names the key and value.
+            incomplete rope block, a ``pad_token_id`` outside the vocabulary, or what ``checks``
+            rejects; the message names the key and value.
     """
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
@@ -258,13 +278,21 @@ def config_from_hf(config_cls: type, d: Mapping[str, Any], aliases: Mapping[str,
     aliases = dict(aliases)
     for f in dataclasses.fields(config_cls):
         if f.name == "rope_parameters":
-            kwargs[f.name] = _rope_from_hf(d, partial_rotary)
+            mpe = next(g.default for g in dataclasses.fields(config_cls) if g.name == "max_position_embeddings")
+            kwargs[f.name] = _rope_from_hf(d, partial_rotary, f.default, mpe)
             continue
         for key in (f.name, *aliases.get(f.name, ())):
             if key in d:
                 kwargs[f.name] = _typed("config.json", key, d[key], hints[f.name])
                 break
-    return config_cls(**kwargs)
+    cfg = config_cls(**kwargs)
+    pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
+    if pad is not None and vocab is not None and not -vocab <= pad < vocab:
+        # transformers refuses it too (its embedding's padding_idx must be a row)
+        where = "pad_token_id" if "pad_token_id" in d else f"pad_token_id (not in config.json; {config_cls.__name__}'s default)"
+        raise ValueError(f"config.json: {where}={pad} is outside the vocabulary (vocab_size={vocab}); "
+                         "set pad_token_id to a token id below vocab_size, or to null")
+    return cfg
 
 
 def config_to_hf(cfg: Any, model_type: str, architecture: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -12,7 +12,6 @@ Shape legend: B batch, T sequence, D hidden_size, V vocab_size, E routed experts
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,7 +33,11 @@ from mff.nn.moe import MoE, sequence_balance_loss
 from mff.nn.mtp import add_mtp_params, mtp_block_input, mtp_labels
 from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq, yarn_softmax_scale
 
-__all__ = ["DeepseekV3Config", "SIZES", "FAMILY", "DeepseekV3ForCausalLM"]
+__all__ = ["DeepseekV3Config", "SIZES", "FAMILY", "DeepseekV3ForCausalLM", "MLA_LATENT_NORM_EPS"]
+
+MLA_LATENT_NORM_EPS = 1e-6
+"""Epsilon of MLA's ``q_a_layernorm`` / ``kv_a_layernorm``: fixed, not ``rms_norm_eps`` (DeepSeek's
+reference ``model.py`` and HF ``DeepseekV3Attention`` build both norms with the default 1e-6)."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ class DecoderLayer(nn.Module):
         scale = cfg.qk_head_dim ** -0.5 * yarn_softmax_scale(cfg.rope_parameters)
         self.self_attn = MLA(
             cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim, cfg.v_head_dim, scale, cfg.rope_interleave, cfg.attention_bias, cfg.rms_norm_eps,
+            cfg.qk_rope_head_dim, cfg.v_head_dim, scale, cfg.rope_interleave, cfg.attention_bias, MLA_LATENT_NORM_EPS,
         )
         if cfg.is_moe_layer(idx):
             self.mlp = MoE(
@@ -392,11 +395,18 @@ def train_flops_per_token(cfg: DeepseekV3Config, shapes: Mapping[str, torch.Size
 
 
 def from_hf_config(d: dict) -> DeepseekV3Config:
-    """A DeepseekV3Config from an HF ``deepseek_v3`` config.json dict (MTP off when the config
-    does not name ``num_nextn_predict_layers``)."""
+    """A DeepseekV3Config from an HF ``deepseek_v3`` config.json dict. A config without
+    ``num_nextn_predict_layers`` means 1, as ``DeepseekV3Config``'s default; a folder without
+    MTP tensors then loads with MTP off (:func:`mff.ckpt.hf.load_hf_tensors` says so).
+
+    Raises:
+        ValueError: as :func:`mff.models.common.config_from_hf`, or ``num_key_value_heads`` other
+            than ``num_attention_heads``."""
     cfg = config_from_hf(DeepseekV3Config, d, aliases={"n_routed_experts": ("num_local_experts",)})
-    if "num_nextn_predict_layers" not in d:
-        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        where = "num_key_value_heads" if "num_key_value_heads" in d else "num_key_value_heads (not in config.json; HF's default)"
+        raise ValueError(f"config.json: {where}={cfg.num_key_value_heads} must equal num_attention_heads={cfg.num_attention_heads}: "
+                         "MLA has one key and value per head, and transformers' DeepseekV3Attention refuses any other count")
     return cfg
 
 

@@ -109,11 +109,20 @@ def skeleton(cfg: LlamaConfig) -> CausalLM:
     return CausalLM(cfg, layers, cfg.rope_parameters, rotary_dim(cfg.rope_parameters, cfg.head_dim))
 
 
+# HF ``Qwen2Config`` defaults where they differ from ``LlamaConfig``'s: a qwen2 config.json
+# without these keys means these values.
+QWEN2_DEFAULTS = {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768, "bos_token_id": None,
+                  "eos_token_id": None}
+
+
 def from_hf_config(d: dict) -> LlamaConfig:
-    """A LlamaConfig from an HF ``llama`` / ``qwen2`` / ``smollm`` config.json dict."""
+    """A LlamaConfig from an HF ``llama`` / ``qwen2`` / ``smollm`` config.json dict (a key left
+    out takes the default of that model type's HF config class)."""
     def checks(d):
         if d.get("use_sliding_window"):
             raise ValueError("config.json: use_sliding_window=true is not supported")
+    if d.get("model_type") == "qwen2":
+        d = {**QWEN2_DEFAULTS, **d}
     cfg = common.config_from_hf(LlamaConfig, d, checks=checks)
     if d.get("model_type") == "qwen2":  # Qwen2: q/k/v biases always, no o bias
         cfg = LlamaConfig(**{**cfg.__dict__, "qkv_bias": True, "attention_bias": False})

@@ -44,7 +44,8 @@ class RopeParameters:
     beta_slow: float = 1.0
     """YaRN: rotations below which dims are interpolated."""
     mscale: float = 1.0
-    """YaRN: numerator mscale of the cos/sin attention factor."""
+    """YaRN: numerator mscale of the cos/sin attention factor; 0 = none (the factor is then
+    ``mscale(factor)``, what HF computes for a config without ``mscale``)."""
     mscale_all_dim: float = 0.0
     """YaRN: denominator mscale of the cos/sin factor and the softmax-scale correction (0 = off)."""
     original_max_position_embeddings: int = 4096
