@@ -13,10 +13,12 @@ from mff.nn.rope import RopeParameters
 
 
 def test_mtp_labels_never_cross_documents():
+    # tokens x0..x5, labels[t] = x_{t+1}; positions 0-2 are document 0, 3-4 document 1: labels[2] = x3
+    # is document 1's first token, so no depth at positions 0-2 may target it or anything after it
     labels = torch.tensor([[1, 2, 3, 4, 5]])
     docs = torch.tensor([[0, 0, 0, 1, 1]])
-    assert mtp_labels(labels, docs, 1).tolist() == [[2, 3, -100, 5, -100]]
-    assert mtp_labels(labels, docs, 2).tolist() == [[3, -100, -100, -100, -100]]
+    assert mtp_labels(labels, docs, 1).tolist() == [[2, -100, -100, 5, -100]]
+    assert mtp_labels(labels, docs, 2).tolist() == [[-100, -100, -100, -100, -100]]
     assert mtp_labels(labels, None, 2).tolist() == [[3, 4, 5, -100, -100]]
     assert mtp_labels(labels, None, 9).tolist() == [[-100] * 5]
     with pytest.raises(ValueError):
@@ -28,7 +30,32 @@ def test_count_targets_matches_mtp_labels():
     labels = torch.tensor([[1, 2, -100, 4, 5, 6]])
     docs = torch.tensor([[0, 0, 1, 1, 1, 2]])
     c = model.count_targets({"input_ids": labels.clamp(min=0), "labels": labels, "document_ids": docs})
-    assert int(c["lm"]) == 5 and int(c["mtp.1"]) == 3 and int(c["balance"]) == 1
+    assert int(c["lm"]) == 5 and int(c["mtp.1"]) == 1 and int(c["balance"]) == 1
+
+
+def _brute_force_mtp_targets(tokens, docs, depth):
+    """Position t of a row of T inputs (tokens holds T + 1) targets tokens[t + depth + 1] iff that
+    token lies in t's document (the token past the row counts as the last position's)."""
+    T = len(docs)
+    doc_of = list(docs) + [docs[-1]]
+    return [tokens[t + depth + 1] if t + depth < T and doc_of[t + depth + 1] == docs[t] else -100 for t in range(T)]
+
+
+def test_mtp_targets_of_megatron_samples_stay_in_their_document():
+    """Megatron samples with reset_attention_mask on and eod_mask_loss off: the EOD's main label
+    is the next document's first token; no MTP target of the earlier document may be."""
+    from mff.data.gpt_dataset import GPTDatasetConfig, sample_fields
+
+    EOD = 0
+    tokens = torch.tensor([5, 6, 7, EOD, 8, 9, EOD, 10, 11, 12, 13, EOD, 14])
+    cfg = GPTDatasetConfig(seq_len=12, eod_id=EOD, reset_attention_mask=True, eod_mask_loss=False)
+    fields = sample_fields(tokens.numpy(), cfg)
+    labels, docs = torch.from_numpy(fields["labels"])[None], torch.from_numpy(fields["document_ids"])[None]
+    assert labels[0, 3].item() == 8 and docs[0, 3] != docs[0, 4]  # the case: EOD's label is the next document's token
+    for depth in (1, 2, 3):
+        got = mtp_labels(labels, docs, depth)[0].tolist()
+        assert got == _brute_force_mtp_targets(tokens.tolist(), docs[0].tolist(), depth)
+        assert 8 not in got[:4] and 10 not in got[:7]
 
 
 ARCH = dict(vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,

@@ -25,10 +25,14 @@ __all__ = ["mtp_labels", "SharedHead", "add_mtp_params", "mtp_block_input"]
 def mtp_labels(labels_BT: torch.Tensor, document_ids_BT: torch.Tensor | None, depth: int) -> torch.Tensor:
     """Targets of MTP depth ``depth`` >= 1: ``labels[t + depth]`` at position t.
 
-    ``labels`` are aligned (``labels[t]`` is the next token after position t). A target is
+    ``labels`` are aligned (``labels[t]`` is the token at position t + 1). A target is
     ``IGNORE_INDEX`` past the end of the row, where ``labels[t + depth]`` is ignored, and where
-    position ``t + depth`` lies in another document than t (``document_ids`` differ), so no
-    target crosses a document boundary. Returns int64 [B, T].
+    the target token lies in another document than position t. The target token's document is
+    that of position ``t + depth + 1`` (the last position's label, whose token is past the row,
+    counts as the last position's document), so no target crosses a document boundary whatever
+    the labels hold: with Megatron's ``reset_attention_mask`` on and ``eod_mask_loss`` off, the
+    main label of a document's EOD is the next document's first token, and no MTP depth of the
+    earlier positions may predict it. Returns int64 [B, T].
     """
     if depth < 1:
         raise ValueError(f"MTP depth must be >= 1, got {depth}")
@@ -38,7 +42,8 @@ def mtp_labels(labels_BT: torch.Tensor, document_ids_BT: torch.Tensor | None, de
         return out
     shifted = labels_BT[:, depth:]
     if document_ids_BT is not None:
-        same_doc = document_ids_BT[:, depth:] == document_ids_BT[:, :-depth]
+        label_doc = torch.cat((document_ids_BT[:, 1:], document_ids_BT[:, -1:]), dim=1)  # document of labels[t]'s token
+        same_doc = label_doc[:, depth:] == document_ids_BT[:, :-depth]
         shifted = shifted.masked_fill(~same_doc, IGNORE_INDEX)
     out[:, : T - depth] = shifted
     return out
