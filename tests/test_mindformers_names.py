@@ -3,7 +3,7 @@ and the convert CLI for MindSpore / MindFormers checkpoints.
 
 References: the fixture ``tests/data/mindformers_qwen3`` (written by MindFormers 2.0.0 itself,
 with its fp32 logits), Mcore and legacy tensors built here by plain loops from the formulas of
-``/work/shared/reference/mindformers_formats.md`` §3, and HF transformers' DeepseekV3ForCausalLM.
+``docs/mindformers_formats.md`` §3, and HF transformers' DeepseekV3ForCausalLM.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """MindSpore .ckpt and MindSpore/MindFormers safetensors without MindSpore.
 
-References: files written by MindSpore 2.10.0 (tests/data/mindspore/, copied from
-shared/fixtures/mindspore) with their tensors in expected.npz and append_dict.json, and
-protobuf's own parser / serializer for the record framing."""
+References: files written by MindSpore 2.10.0's save_checkpoint (tests/data/mindspore/; the
+format is described in docs/mindformers_formats.md §2) with their tensors in expected.npz and
+append_dict.json, and protobuf's own parser / serializer for the record framing."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ MindFormers safetensors, in the Mcore or the legacy naming, to mff params (and A
 back.
 
 Names and layouts: :mod:`mff.ckpt.mindformers_names` (tables from
-``/work/shared/reference/mindformers_formats.md`` §3). Files: :mod:`mff.ckpt.mindformers_source`
+``docs/mindformers_formats.md`` §3). Files: :mod:`mff.ckpt.mindformers_source`
 and :mod:`mff.ckpt.mindspore` (§2).
 
 What a training checkpoint holds besides weights, and what import does with it:

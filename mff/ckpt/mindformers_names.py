@@ -6,7 +6,7 @@ views of the mff params it covers (``parts``) and two exact inverse functions, `
 transforms are reshapes, slices, transposes and row permutations, so a round trip is
 bit-exact and the same tables map optimizer moments (``adam_m.*`` / ``adam_v.*``).
 
-Sources of every layout: ``/work/shared/reference/mindformers_formats.md`` §3 (read from the
+Sources of every layout: ``docs/mindformers_formats.md`` §3 (read from the
 MindFormers 2.0.0 wheel and the mindspore-lab/mindformers repository):
 
 - §3.1 Mcore dense / GQA (``mf:models/qwen3/utils.py``, ``mf:checkpoint/converter/convert_op.py``
@@ -20,13 +20,13 @@ MindFormers 2.0.0 wheel and the mindspore-lab/mindformers repository):
   Llama-family ``attention.wq``... and DeepSeek-V3 ``q2l_proj`` / ``kv2l_*`` with the rope-row
   permutation.
 
-Names the reference does not give (Megatron-consistent choices, unverified against a real
+Names without a verified source (§3.4; Megatron-consistent choices, unverified against a real
 MindFormers file): GLM-4's sandwich norms ``post_self_attn_layernorm`` / ``post_mlp_layernorm``
 (Megatron-Core ``TransformerLayer`` submodule names, also used by mbridge's GLM-4 bridge), biases
 ``linear_qkv.bias`` / ``linear_proj.bias`` / ``linear_fc1.bias`` / ``linear_fc2.bias`` beyond the
 Qwen-style q/k/v bias, MLA without q-LoRA ``linear_q_proj``, GLM-4-MoE as DeepSeek-V3's MoE names
 (MindFormers 2.0 trains neither GLM family). GLM-4's partial rotary needs no weight change: like
-DeepSeek-V3 in Mcore (§3.2, "No RoPE row permutation in Mcore"), the pair layout is a runtime
+DeepSeek-V3 in Mcore (§3.2, "RoPE rows": no row permutation), the pair layout is a runtime
 switch (Megatron ``rotary_interleaved``).
 
 Shape legend: H hidden_size, nh query heads, ng KV heads (groups), r = nh / ng, d head_dim,

@@ -2,7 +2,7 @@
 ``.ckpt`` file, a MindFormers safetensors file or folder) and the model config (an HF
 ``config.json``, a MindFormers config JSON or a MindFormers YAML).
 
-Formats: ``/work/shared/reference/mindformers_formats.md`` §2 (``.ckpt``; read by
+Formats: ``docs/mindformers_formats.md`` §2 (``.ckpt``; read by
 :mod:`mff.ckpt.mindspore`), §2 "MindSpore safetensors" (standard safetensors with
 ``{"format": "ms"}`` metadata; MindFormers shards ``ms-model-000NN-of-000MM.safetensors`` with
 ``param_name_map.json`` or ``ms-model.safetensors.index.json``), §5 (YAML ``model.model_config``

@@ -1,6 +1,6 @@
 """MindSpore ``.ckpt`` files: a streaming reader and writer that need no MindSpore.
 
-Format source: ``../shared/reference/mindformers_formats.md`` section 2 (MindSpore 2.10
+Format source: ``docs/mindformers_formats.md`` section 2 (MindSpore 2.10
 ``mindspore/train/serialization.py`` and ``checkpoint_pb2.py``), checked against files MindSpore
 2.10 wrote (``tests/data/mindspore/``). In short:
 
@@ -462,7 +462,7 @@ def _walk(path, verify_crc: bool, want: Callable[[str], bool]) -> Iterator[tuple
 def iter_ckpt(path: str | os.PathLike, verify_crc: bool = False) -> Iterator[tuple[str, torch.Tensor | str]]:
     """Stream the entries of a MindSpore ``.ckpt`` file as ``(tag, value)`` in file order.
 
-    Format: ``../shared/reference/mindformers_formats.md`` section 2 (MindSpore 2.10
+    Format: ``docs/mindformers_formats.md`` section 2 (MindSpore 2.10
     ``train/serialization.py``). Consecutive records with the same tag (a tensor > 512 MiB cut
     into chunks) are joined into one tensor of the stored ``dims``. Values are CPU tensors of
     the stored dtype (``BFloat16`` -> ``torch.bfloat16`` bit-exact, ``Bool`` -> ``torch.bool``,
@@ -561,7 +561,7 @@ def write_ckpt(
 ) -> int:
     """Write a MindSpore ``.ckpt`` file that ``mindspore.load_checkpoint`` reads; return its size in bytes.
 
-    Format: ``../shared/reference/mindformers_formats.md`` section 2 (MindSpore 2.10
+    Format: ``docs/mindformers_formats.md`` section 2 (MindSpore 2.10
     ``train/serialization.py`` ``_exec_save``): one record per tensor, tensors of more than
     :data:`SLICE_BYTES` (512 MiB) cut into byte chunks, each a record with the same tag and the
     full dims (as ``_write_parameter_bytes_data``). ``tensors`` is a mapping or an iterable of

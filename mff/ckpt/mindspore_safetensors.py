@@ -1,6 +1,6 @@
 """MindSpore and MindFormers safetensors: single files and MindFormers' sharded folders.
 
-Format source: ``../shared/reference/mindformers_formats.md`` section 2 (MindSpore 2.10
+Format source: ``docs/mindformers_formats.md`` section 2 (MindSpore 2.10
 ``train/serialization.py`` ``_exec_save(format="safetensors")``; MindFormers unified /
 converted weights). ``mindspore.save_checkpoint(..., format="safetensors")`` writes standard
 safetensors with ``__metadata__`` ``{"format": "ms"}`` (plus ``"remove_redundancy"`` and

@@ -1,7 +1,7 @@
 """MindRecord datasets (MindSpore's ``.mindrecord`` + ``.mindrecord.db``), read without MindSpore
 (written by :mod:`mff.data.mindrecord_writer`).
 
-Format (``../shared/reference/mindformers_formats.md`` §4; MindSpore's ``minddata/mindrecord``
+Format (``docs/mindformers_formats.md`` §4; MindSpore's ``minddata/mindrecord``
 ``shard_header``, ``shard_writer``, ``shard_column``, ``shard_page``; checked byte for byte against
 a file MindSpore 2.10.0's ``FileWriter`` wrote, ``tests/data/mindrecord/``):
 

@@ -1,7 +1,7 @@
 """MindFormers pretraining YAML -> ``python -m mff.recipes.pretrain`` flags.
 
 ``python -m mff.recipes.pretrain --from-mindformers-yaml run.yaml [flags]`` reads a MindFormers
-pretraining YAML (Mcore and legacy forms, ``../shared/reference/mindformers_formats.md`` §5),
+pretraining YAML (Mcore and legacy forms, ``docs/mindformers_formats.md`` §5),
 prints the mff command it corresponds to and every YAML key it does not use (dotted paths), then
 runs that command with the user's other flags after the translated ones (explicit flags win).
 
