@@ -328,7 +328,9 @@ def save_hf(model: Model, params: Mapping[str, torch.Tensor], out_dir: str | os.
             progress: Callable[[int], None] | None = None, extra_files: Mapping[str, str] | None = None) -> Path:
     """Write an HF model folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads:
     ``config.json`` and safetensors shards (experts one tensor per expert, as HF stores them),
-    plus ``extra_files`` (name -> text, e.g. ``tokenizer.json``).
+    plus ``extra_files`` (name -> text, e.g. ``tokenizer.json``, written as UTF-8). Without a
+    ``generation_config.json`` among them, one is written from the config's ``bos_token_id`` /
+    ``eos_token_id`` / ``pad_token_id`` when it sets any (as ``save_pretrained`` does).
 
     Written into a temp folder beside ``out_dir`` and renamed into place, so ``out_dir`` is
     never half-written. Params may be DTensors (gathered) or plain tensors on any device.
@@ -359,10 +361,14 @@ def save_hf(model: Model, params: Mapping[str, torch.Tensor], out_dir: str | os.
     hf["dtype"] = _DTYPE_NAMES.get(main, "float32")
     items = hf_state_names(model, cpu)
     getters = {name: get for name, _, _, get in items}
+    extra = dict(extra_files or {})
+    gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+    if gen and "generation_config.json" not in extra:
+        extra["generation_config.json"] = json.dumps(gen, indent=2) + "\n"
     with staged_folder(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
+        for name, text in extra.items():
+            (tmp / name).write_text(text, encoding="utf-8")
         write_sharded(tmp, [(n, s, d) for n, s, d, _ in items], lambda n: getters[n](), max_shard_size,
                       metadata={"format": "pt"}, progress=progress)
     return out

@@ -5,35 +5,47 @@
   ``generation_config.json`` / ``config.json`` (``eos_token_id``);
 - a ``.gguf`` file: its tokenizer and ``tokenizer.chat_template`` metadata;
 - an mff run folder: the ``tokenizer.json`` a run keeps (and the ``tokenizer_config.json``
-  fine-tuning keeps beside it); without a chat template the end of a document (the data's EOD
-  token) ends generation.
+  fine-tuning and ``pretrain --init-from`` keep beside it); when it names no end token the end
+  of a document (the data's EOD token) ends generation.
+
+:func:`save_text_assets` keeps a checkpoint's text side in a run folder (``tokenizer.json`` +
+``tokenizer_config.json``); :func:`hf_export_files` gives the files (and the ``config.json``
+token ids) an exported HF folder needs for transformers' ``AutoTokenizer`` and ``generate``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
 from mff.ckpt.autoload import checkpoint_kind, resolve_mff_step_dir, tokenizer_folder
 from mff.ckpt.checkpoint import read_meta
 
-__all__ = ["TextAssets", "load_text_assets", "read_tokenizer", "text_asset_files"]
+__all__ = ["TextAssets", "load_text_assets", "read_tokenizer", "read_chat_template_file", "text_asset_files", "save_text_assets",
+           "hf_export_files", "write_text_atomic", "TOKEN_ID_KEYS"]
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The special-token ids of an HF ``config.json`` / ``generation_config.json``."""
 
 
 @dataclass
 class TextAssets:
     """A checkpoint's text side. ``tokenizer`` is None when it has none; ``eos_ids`` are the ids
-    that end a generated answer (the config's ``eos_token_id`` and the EOS token's id)."""
+    that end a generated answer (the config's ``eos_token_id`` and the EOS token's id); the
+    ``*_token`` fields are token strings (None: unknown)."""
 
     tokenizer: Tokenizer | None
     chat_template: str | None = None
     bos_token: str | None = None
     eos_token: str | None = None
     eos_ids: list[int] = field(default_factory=list)
+    pad_token: str | None = None
 
     def add_eos_token_id(self) -> None:
         """Append the EOS token's id to ``eos_ids`` (when the tokenizer knows it)."""
@@ -53,6 +65,41 @@ def _as_list(x) -> list[int]:
     if x is None:
         return []
     return [int(x)] if isinstance(x, int) else [int(i) for i in x]
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temp name beside it and ``os.replace``, so a
+    reader never sees a partial file; creates the parent folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_chat_template_file(path: str | os.PathLike, flag: str = "--chat-template") -> str:
+    """The text of a Jinja chat template file given as ``flag``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a file, not UTF-8 text, or empty (the message names it).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {p} does not exist")
+    if not p.is_file():
+        raise ValueError(f"{flag} {p} is not a file (a Jinja chat template file)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {p} is not UTF-8 text: {e}") from None
+    if not text.strip():
+        raise ValueError(f"{flag} {p} is empty")
+    return text
 
 
 def read_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -85,7 +132,23 @@ def _folder_assets(folder: Path, eos_ids: list[int]) -> TextAssets:
     if (folder / "generation_config.json").is_file():
         eos_ids = _as_list(_read_json(folder / "generation_config.json").get("eos_token_id")) or eos_ids
     tok = read_tokenizer(tok_file) if tok_file.is_file() else None
-    return TextAssets(tok, template, _special(tok_cfg.get("bos_token")), _special(tok_cfg.get("eos_token")), list(eos_ids))
+    return TextAssets(tok, template, _special(tok_cfg.get("bos_token")), _special(tok_cfg.get("eos_token")), list(eos_ids),
+                      pad_token=_special(tok_cfg.get("pad_token")))
+
+
+def _run_eod_id(tokenizer: Tokenizer, step: Path) -> int | None:
+    """The EOD id a pretraining run's data used (``--data.eod-id``, else ``--data.eod-token`` or
+    the tokenizer's EOD candidate); None when it cannot be told."""
+    from mff.data.tokenizer import find_eod_id
+
+    data = (read_meta(step).get("run") or {}).get("data") or {}
+    if isinstance(data.get("eod_id"), int) and not isinstance(data.get("eod_id"), bool):
+        return data["eod_id"]
+    eod = data.get("eod_token")
+    try:
+        return find_eod_id(tokenizer, eod if isinstance(eod, str) else None)
+    except ValueError:
+        return None
 
 
 def load_text_assets(path: str | os.PathLike, gguf=None) -> TextAssets:
@@ -103,6 +166,9 @@ def load_text_assets(path: str | os.PathLike, gguf=None) -> TextAssets:
 
             gguf = read_gguf(p, with_tokenizer=True)
         out = TextAssets(gguf.tokenizer, gguf.chat_template, gguf.bos_token, gguf.eos_token, _as_list(gguf.config.get("eos_token_id")))
+        pad = gguf.config.get("pad_token_id")
+        if gguf.tokenizer is not None and isinstance(pad, int):
+            out.pad_token = gguf.tokenizer.id_to_token(pad)
     elif kind in ("hf", "mindspore"):
         folder = p if p.is_dir() else p.parent
         cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
@@ -110,32 +176,137 @@ def load_text_assets(path: str | os.PathLike, gguf=None) -> TextAssets:
     else:
         folder = tokenizer_folder(p)
         out = _folder_assets(folder, [])
-        if out.chat_template is None and out.eos_token is None and out.tokenizer is not None:
-            # a pretraining run: generation ends at its data's end-of-document token
-            from mff.data.tokenizer import find_eod_id
-
-            eod = ((read_meta(resolve_mff_step_dir(p)).get("run") or {}).get("data") or {}).get("eod_token")
-            try:
-                out.eos_ids = [find_eod_id(out.tokenizer, eod)]
-            except ValueError:
-                pass
+        out.add_eos_token_id()
+        if not out.eos_ids and out.tokenizer is not None:
+            # a pretraining run (or one whose EOS token its tokenizer lacks): generation ends at
+            # its data's end-of-document token, which is also the EOS token of a run without a
+            # chat template
+            eod = _run_eod_id(out.tokenizer, resolve_mff_step_dir(p))
+            if eod is not None:
+                out.eos_ids = [eod]
+                if out.chat_template is None and out.eos_token is None:
+                    out.eos_token = out.tokenizer.id_to_token(eod)
+        return out
     out.add_eos_token_id()
     return out
 
 
 def text_asset_files(assets: TextAssets) -> dict[str, str]:
-    """``tokenizer.json`` and ``tokenizer_config.json`` (chat template, BOS / EOS tokens) texts
-    that carry ``assets`` into a folder (an mff run, an exported HF folder)."""
+    """``tokenizer.json`` and ``tokenizer_config.json`` (chat template, BOS / EOS / pad tokens)
+    texts (name -> text) that carry ``assets`` into a folder (an mff run, an exported HF folder);
+    ``tokenizer_config.json`` only when ``assets`` name one of those."""
     out = {}
     if assets.tokenizer is not None:
         out["tokenizer.json"] = assets.tokenizer.to_str()
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    if assets.bos_token is not None:
-        cfg["bos_token"] = assets.bos_token
-    if assets.eos_token is not None:
-        cfg["eos_token"] = assets.eos_token
+    for key, value in (("bos_token", assets.bos_token), ("eos_token", assets.eos_token), ("pad_token", assets.pad_token)):
+        if value is not None:
+            cfg[key] = value
     if assets.chat_template:
         cfg["chat_template"] = assets.chat_template
     if len(cfg) > 2:
-        out["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
+        out["tokenizer_config.json"] = _json(cfg)
     return out
+
+
+def save_text_assets(folder: str | os.PathLike, assets: TextAssets, overwrite: bool = False) -> list[str]:
+    """Keep ``assets`` in ``folder`` (a run folder): the files of :func:`text_asset_files`, each
+    written atomically; a file already there is kept unless ``overwrite``. Returns the names
+    written. Raises OSError when ``folder`` cannot be written."""
+    written = []
+    for name, text in text_asset_files(assets).items():
+        path = Path(folder) / name
+        if overwrite or not path.exists():
+            write_text_atomic(path, text)
+            written.append(name)
+    return written
+
+
+def _json(d: Mapping[str, Any]) -> str:
+    return json.dumps(d, indent=2, ensure_ascii=False) + "\n"
+
+
+def _is_id(x: Any, vocab_size: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size
+
+
+def _special_text(tok: Tokenizer | None, tid: Any) -> str | None:
+    """The text of token ``tid`` when it is one of the tokenizer's special (added) tokens."""
+    if tok is None or not isinstance(tid, int):
+        return None
+    added = tok.get_added_tokens_decoder().get(tid)
+    return added.content if added is not None and added.special else None
+
+
+def hf_export_files(assets: TextAssets, config_ids: Mapping[str, Any], vocab_size: int, model_max_length: int | None = None,
+                    copied: Mapping[str, str] | None = None, keep_tokenizer_config: bool = False) -> tuple[dict[str, int], dict[str, str]]:
+    """The token ids and text files an exported HF folder needs so that transformers'
+    ``AutoTokenizer`` knows the special tokens and ``generate`` stops at the end token.
+
+    Args:
+        assets: the source checkpoint's text side (:func:`load_text_assets`).
+        config_ids: the model config's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``
+            (an int, a list of ints for ``eos_token_id``, or None).
+        vocab_size: the model's vocabulary; a tokenizer id outside ``[0, vocab_size)`` is not used.
+        model_max_length: ``tokenizer_config.json`` ``model_max_length`` (the model's context).
+        copied: files (name -> text) taken over from the source as they are (an HF folder's
+            tokenizer files); they win over generated ones.
+        keep_tokenizer_config: True keeps a copied ``tokenizer_config.json`` as it is (an HF
+            folder's own); False adds the keys it lacks (an mff run's).
+
+    Returns:
+        ``(ids, files)``: ``ids`` the token ids to set in ``config.json`` where ``config_ids``
+        has None (``eos_token_id`` the first end token, ``bos_token_id`` / ``pad_token_id`` the
+        ids of the tokenizer's BOS / pad tokens, when known); ``files`` the ``copied`` files plus
+        ``tokenizer.json``, ``generation_config.json`` (``bos_token_id``, ``eos_token_id`` (the
+        config's, then the tokenizer's end tokens; a list when several), ``pad_token_id``, as
+        transformers writes them) and ``tokenizer_config.json`` (``tokenizer_class``
+        PreTrainedTokenizerFast, ``bos_token`` / ``eos_token`` / ``pad_token``,
+        ``model_max_length``, ``chat_template``) where the source gives the values.
+
+    Raises:
+        ValueError: a copied ``tokenizer_config.json`` that is not a JSON object.
+    """
+    tok = assets.tokenizer
+    files = dict(copied or {})
+
+    def token_id(text: str | None) -> int | None:
+        tid = tok.token_to_id(text) if tok is not None and text is not None else None
+        return tid if _is_id(tid, vocab_size) else None
+
+    eos_all = _as_list(config_ids.get("eos_token_id"))
+    eos_all += [i for i in assets.eos_ids if i not in eos_all and _is_id(i, vocab_size)]
+    derived = {"bos_token_id": token_id(assets.bos_token), "eos_token_id": eos_all[0] if eos_all else None,
+               "pad_token_id": token_id(assets.pad_token)}
+    ids = {k: derived[k] for k in TOKEN_ID_KEYS if config_ids.get(k) is None and derived[k] is not None}
+    final = {k: config_ids.get(k) if config_ids.get(k) is not None else ids.get(k) for k in TOKEN_ID_KEYS}
+    gen: dict[str, Any] = {}
+    if final["bos_token_id"] is not None:
+        gen["bos_token_id"] = final["bos_token_id"]
+    if eos_all:
+        gen["eos_token_id"] = eos_all[0] if len(eos_all) == 1 else eos_all
+    if final["pad_token_id"] is not None:
+        gen["pad_token_id"] = final["pad_token_id"]
+    if gen and "generation_config.json" not in files:
+        files["generation_config.json"] = _json(gen)
+    if tok is not None and "tokenizer.json" not in files:
+        files["tokenizer.json"] = tok.to_str()
+    if "tokenizer.json" in files and not (keep_tokenizer_config and "tokenizer_config.json" in files):
+        tok_cfg: dict[str, Any] = {}
+        if "tokenizer_config.json" in files:
+            try:
+                tok_cfg = json.loads(files["tokenizer_config.json"])
+            except ValueError as e:
+                raise ValueError(f"the source's tokenizer_config.json is not valid JSON: {e}") from None
+            if not isinstance(tok_cfg, dict):
+                raise ValueError(f"the source's tokenizer_config.json must hold a JSON object, got a {type(tok_cfg).__name__}")
+        eos_text = assets.eos_token or next((t for t in map(lambda i: _special_text(tok, i), eos_all) if t is not None), None)
+        add = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+               "bos_token": assets.bos_token or _special_text(tok, final["bos_token_id"]), "eos_token": eos_text,
+               "pad_token": assets.pad_token or _special_text(tok, final["pad_token_id"]), "model_max_length": model_max_length,
+               "chat_template": assets.chat_template or None}
+        for key, value in add.items():
+            if value is not None and tok_cfg.get(key) is None:
+                tok_cfg[key] = value
+        files["tokenizer_config.json"] = _json(tok_cfg)
+    return ids, files

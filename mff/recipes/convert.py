@@ -1,7 +1,7 @@
 """Convert checkpoints between formats.
 
     python -m mff.recipes.convert --src PATH --dst PATH --to hf|mff|mindspore|peft [--dtype auto|float32|bfloat16]
-                                  [--model FAMILY --config CONFIG] [--adapter ADAPTER]
+                                  [--model FAMILY --config CONFIG] [--adapter ADAPTER] [--no-mtp]
 
 ``--src`` is an HF model folder (config.json + safetensors, sharded or not, FP8 included), an
 mff checkpoint (run or step folder), a .gguf file, or a MindFormers checkpoint: a MindSpore
@@ -24,9 +24,19 @@ the adapters merged in (``W + s B A``), for ``--to hf|mff|mindspore``; ``--adapt
 folder or an mff LoRA run) merges an adapter into any other ``--src``. ``--to peft`` writes the
 adapters themselves as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``,
 stacked experts as ``target_parameters``) that ``peft.PeftModel.from_pretrained`` loads onto the
-HF base. The tokenizer
-travels along: an HF folder's tokenizer files, an mff run's tokenizer.json, or a GGUF file's
-tokenizer and chat template (written as tokenizer.json and tokenizer_config.json).
+HF base.
+
+The tokenizer travels along: an HF folder's tokenizer files (as they are), an mff run's
+tokenizer.json and tokenizer_config.json, or a GGUF file's tokenizer and chat template. An
+exported folder also gets what transformers needs to know the special tokens and to stop
+generating: the source's BOS / EOS / pad ids in config.json where its config names none (a
+pretraining run's EOS is its data's end-of-document token), a generation_config.json
+(bos_token_id, eos_token_id, pad_token_id) and a tokenizer_config.json (tokenizer_class,
+bos_token / eos_token / pad_token, model_max_length, chat_template) when the source has none.
+
+``--no-mtp`` drops DeepSeek-V3's MTP layers (``model.layers.{num_hidden_layers + k}``) and writes
+``num_nextn_predict_layers`` 0: transformers builds no MTP layers, so it loads the folder without
+reporting them as unexpected keys.
 
 The source is read one shard at a time and the output is streamed to disk, so peak memory
 stays near the model's size plus one shard. The output is written into a temp folder beside
@@ -37,6 +47,7 @@ stays near the model's size plus one shard. The output is written into a temp fo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -55,6 +66,8 @@ from mff.ckpt.hf import save_hf
 from mff.ckpt.mindformers import save_mindformers
 from mff.ckpt.safetensors_io import parse_size
 from mff.ckpt.staging import staged_folder
+from mff.ckpt.tokenizer_files import TOKEN_ID_KEYS, hf_export_files, load_text_assets
+from mff.model import Model
 from mff.peft import save_peft, split_params
 from mff.peft.load import is_lora_run, load_model, merge_adapter, run_adapters
 from mff.recipes.common import config_to_dict, fail
@@ -89,29 +102,61 @@ class ConvertConfig:
     """Output dtype; auto keeps the stored dtypes (FP8 weights become bfloat16, GGUF float32)."""
     max_shard_size: str = "5GB"
     """--to hf, --to mindspore --ms-format safetensors: largest shard file, in bytes or with a unit (5GB, 500MB)."""
+    mtp: bool = True
+    """Keep the MTP layers (DeepSeek-V3, TeleChat3: model.layers.{num_hidden_layers + k}). --no-mtp drops them and writes num_nextn_predict_layers 0: transformers builds no MTP layers and reports their tensors as unexpected keys otherwise."""
 
 
-def _tokenizer_files(src: str, kind: str, g=None) -> dict[str, str]:
-    """The tokenizer files that go with the source (name -> text); ``g``: the source's
-    :class:`mff.ckpt.gguf.GGUFCheckpoint` when it is a GGUF file."""
+def _copied_tokenizer_files(src: str, kind: str) -> dict[str, str]:
+    """The tokenizer files of the source's folder (name -> text; none for a GGUF file)."""
     if kind == "gguf":
-        if g.tokenizer is None:
-            return {}
-        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": g.bos_token, "eos_token": g.eos_token,
-                   "clean_up_tokenization_spaces": False}
-        if g.chat_template:
-            tok_cfg["chat_template"] = g.chat_template
-        return {"tokenizer.json": g.tokenizer.to_str(), "tokenizer_config.json": json.dumps(tok_cfg, indent=2) + "\n"}
+        return {}
     folder = tokenizer_folder(src)
     out = {}
     for name in TOKENIZER_FILES:
         f = folder / name
         if f.is_file():
             try:
-                out[name] = f.read_text()
+                out[name] = f.read_text(encoding="utf-8")
             except UnicodeDecodeError:  # a binary sentencepiece model: skipped (tokenizer.json covers fast tokenizers)
                 continue
     return out
+
+
+def _text_files(model: Model, src: str, kind: str, g=None) -> tuple[Model, dict[str, str]]:
+    """The model with the source's special-token ids filled into its config where it has none,
+    and the tokenizer files that go with it (:func:`mff.ckpt.tokenizer_files.hf_export_files`);
+    ``g``: the source's :class:`mff.ckpt.gguf.GGUFCheckpoint` when it is a GGUF file."""
+    text = load_text_assets(src, gguf=g)
+    fields = {f.name for f in dataclasses.fields(model.config)} if dataclasses.is_dataclass(model.config) else set()
+    config_ids = {k: getattr(model.config, k) for k in TOKEN_ID_KEYS if k in fields}
+    ids, files = hf_export_files(text, config_ids, model.config.vocab_size, getattr(model.config, "max_position_embeddings", None),
+                                 copied=_copied_tokenizer_files(src, kind), keep_tokenizer_config=kind in ("hf", "mindspore"))
+    eos_cfg = config_ids.get("eos_token_id")
+    eos_cfg = [eos_cfg] if isinstance(eos_cfg, int) else list(eos_cfg or ())
+    if eos_cfg and text.eos_ids and not set(eos_cfg) & set(text.eos_ids):
+        print(f"note: the config's eos_token_id {config_ids['eos_token_id']} is not the tokenizer's end token (id "
+              f"{text.eos_ids[0]}); config.json keeps it and generation_config.json lists both", file=sys.stderr)
+    ids = {k: v for k, v in ids.items() if k in fields}
+    if ids:
+        model = Model(model.family, dataclasses.replace(model.config, **ids))
+    return model, files
+
+
+def _drop_mtp(model: Model, params: dict, src: str) -> tuple[Model, dict]:
+    """``--no-mtp``: the model and params without the MTP layers (num_nextn_predict_layers 0)."""
+    n = getattr(model.config, "num_nextn_predict_layers", None)
+    if not n:
+        what = "num_nextn_predict_layers 0" if n == 0 else f"{model.family.name} has none"
+        print(f"note: --no-mtp: {src} holds no MTP layers ({what}); nothing to drop", file=sys.stderr)
+        return model, params
+    model = Model(model.family, dataclasses.replace(model.config, num_nextn_predict_layers=0))
+    keep = model.param_shapes()
+    dropped = [p for p in params if p not in keep]
+    if dropped:
+        print(f"--no-mtp: dropped {n} MTP layer(s) ({len(dropped)} tensors)", file=sys.stderr)
+    else:  # glm4_moe: its MTP layers are skipped on load
+        print(f"--no-mtp: {src} came without its MTP layers; writing num_nextn_predict_layers 0", file=sys.stderr)
+    return model, {p: t for p, t in params.items() if p in keep}
 
 
 def convert(cfg: ConvertConfig) -> Path:
@@ -123,7 +168,8 @@ def convert(cfg: ConvertConfig) -> Path:
         ValueError, FileNotFoundError, CheckpointError: as :func:`mff.load` raises them;
             a bad ``--max-shard-size``; a MindFormers source without a config (or one that
             does not fit its tensors: the tensor and both shapes named); ``--model`` /
-            ``--config`` with a source that names its own model.
+            ``--config`` with a source that names its own model; ``--no-mtp`` with ``--to peft``;
+            an unreadable tokenizer.json / tokenizer_config.json of the source.
     """
     dst = Path(cfg.dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
@@ -141,22 +187,25 @@ def convert(cfg: ConvertConfig) -> Path:
                          "that names its own model")
     remove_stale_tmp(dst.absolute().parent, f".tmp-{dst.name}-*")  # temp folders of killed conversions into --dst
     if cfg.to == "peft":
+        if not cfg.mtp:
+            raise ValueError("--no-mtp is for --to hf|mff|mindspore: a PEFT adapter holds no MTP layers")
         return _convert_peft(cfg, dst)
+    g = None
     if kind == "gguf":  # one read gives the weights and the tokenizer
         model, params, g = load_gguf(cfg.src, dtype=DTYPES[cfg.dtype])
-        extra = _tokenizer_files(cfg.src, kind, g)
         if cfg.adapter is not None:
             model, params = merge_adapter(model, params, cfg.adapter)
     elif kind == "mindspore":
         model, params = load_mindspore(cfg.src, cfg.model, cfg.config, dtype=DTYPES[cfg.dtype])
-        extra = _tokenizer_files(cfg.src, kind)
         if cfg.adapter is not None:
             model, params = merge_adapter(model, params, cfg.adapter)
     else:
         model, params = load_model(cfg.src, dtype=DTYPES[cfg.dtype], adapter=cfg.adapter)
-        extra = _tokenizer_files(cfg.src, kind)
+    if not cfg.mtp:
+        model, params = _drop_mtp(model, params, cfg.src)
+    model, extra = _text_files(model, cfg.src, kind, g)
     total = sum(t.numel() * t.element_size() for t in params.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {cfg.to}", file=sys.stderr) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {cfg.to}", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         if cfg.to == "hf":
             out = save_hf(model, params, dst, parse_size(cfg.max_shard_size), progress=bar.update, extra_files=extra)
         else:
@@ -164,12 +213,12 @@ def convert(cfg: ConvertConfig) -> Path:
                 if cfg.to == "mff":
                     meta = {"family": model.family.name, "size": "converted", "config": config_to_dict(model.config), "source": str(cfg.src)}
                     save_weights(tmp, params, meta, progress=bar.update)
-                    extra = {k: v for k, v in extra.items() if k in ("tokenizer.json", "tokenizer_config.json")}
+                    extra = {k: v for k, v in extra.items() if k in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")}
                 else:
                     _save_mindspore(tmp, model, params, cfg)
                     bar.update(total)
                 for name, text in extra.items():
-                    (tmp / name).write_text(text)
+                    (tmp / name).write_text(text, encoding="utf-8")
             out = dst
     size = f"{total / 1e9:.2f} GB" if total >= 1e9 else f"{total / 1e6:.1f} MB"
     print(f"wrote {out} ({model.family.name}, {size} of weights)")

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from mff import ckpt
 from mff.backend import init_distributed, resolve_device
 from mff.ckpt.autoload import checkpoint_kind, load_gguf
-from mff.ckpt.tokenizer_files import TextAssets, load_text_assets, read_tokenizer, text_asset_files
+from mff.ckpt.tokenizer_files import TextAssets, load_text_assets, read_tokenizer, save_text_assets
 from mff.data.sft import SFTDataConfig, SFTLoader, build_sft_data, read_chat_template, sft_eval_batches
 from mff.data.stats import unigram_entropy
 from mff.models import build, get_family
@@ -50,7 +50,7 @@ from mff.parallel.watchdog import collective
 from mff.peft import LoraConfig, init_adapters, lora_spec
 from mff.peft.load import base_fingerprint, load_model, lora_meta, read_adapter, spec_from_meta
 from mff.recipes.common import config_to_dict, parse_model_args, print0, run_training_main
-from mff.recipes.init_from import apply_init, write_text_atomic
+from mff.recipes.init_from import apply_init
 from mff.recipes.mindformers_yaml import FLAG as MF_YAML_FLAG
 from mff.recipes.mindformers_yaml import expand_argv as expand_mindformers_argv
 from mff.train.config import TrainConfig
@@ -287,9 +287,7 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
         saved = params
     last = resumable(cfg, family, model, _lora_check(lora, base_fp))
     if dist_info.rank == 0:  # the tokenizer and chat template travel with the run (generate --chat, convert)
-        for name, content in text_asset_files(text).items():
-            if not (Path(cfg.ckpt_dir) / name).exists():
-                write_text_atomic(Path(cfg.ckpt_dir) / name, content)
+        save_text_assets(cfg.ckpt_dir, text)
     loader = SFTLoader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
     val_full = sft_eval_batches(data.val, cfg.batch_size, cfg.eval_iters) if cfg.eval_every else []
     val_batches = rank_slices(val_full, dp_rank, dp_size) if val_full else []

@@ -1,13 +1,14 @@
 """Generate text from a checkpoint, streaming tokens as they come.
 
     python -m mff.recipes.generate --ckpt PATH --prompt "..." [--max-new-tokens N --temperature T
-        --top-k K --top-p P --chat]
+        --top-k K --top-p P --chat [--chat-template FILE]]
 
 ``--ckpt`` is an HF model folder (tokenizer.json and tokenizer_config.json beside the weights),
 an mff checkpoint (the pretraining run folder holds the run's tokenizer.json; a fine-tuning run
 also its chat template) or a .gguf file (tokenizer and chat template from its metadata).
 ``--adapter`` adds a LoRA adapter (a PEFT folder or an mff LoRA run) to the weights. ``--chat`` wraps the prompt in the tokenizer's
-chat template (jinja2). Decoding uses the KV cache (:func:`mff.generate.generate`); greedy by
+chat template (jinja2); ``--chat-template FILE`` (a Jinja file) replaces the checkpoint's, or
+gives one to a checkpoint without. Decoding uses the KV cache (:func:`mff.generate.generate`); greedy by
 default (``--temperature 0``).
 """
 
@@ -22,6 +23,7 @@ import torch
 import tyro
 
 from mff.backend import resolve_device
+from mff.ckpt.tokenizer_files import read_chat_template_file
 from mff.data.chat import render_chat_template
 from mff.generate import generate
 from mff.peft.load import load_with_text
@@ -59,6 +61,8 @@ class GenerateConfig:
     """Apply the tokenizer's chat template to the prompt."""
     system: str | None = None
     """--chat: a system message."""
+    chat_template: str | None = None
+    """--chat: a Jinja chat template file that replaces the checkpoint's (or gives one to a checkpoint without)."""
     tokenizer: str | None = None
     """A tokenizer.json to use instead of the checkpoint's."""
     adapter: str | None = None
@@ -78,12 +82,33 @@ def _load(cfg: GenerateConfig, device: torch.device):
     return load_with_text(Path(cfg.ckpt), device, DTYPES[cfg.dtype], adapter=cfg.adapter, tokenizer=cfg.tokenizer)
 
 
+def _render(template: str, messages: list[dict], text, where: str) -> str:
+    """The chat prompt; a template that does not parse or raises is a ValueError naming ``where``."""
+    import jinja2
+
+    try:
+        return render_chat_template(template, messages, add_generation_prompt=True, bos_token=text.bos_token or "",
+                                    eos_token=text.eos_token or "")
+    except jinja2.TemplateError as e:
+        raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+
+
 def run(cfg: GenerateConfig) -> str:
-    """Generate, streaming to stdout; returns the generated text."""
+    """Generate, streaming to stdout; returns the generated text.
+
+    Raises:
+        ValueError: bad sampling options, ``--system`` / ``--chat-template`` without ``--chat``,
+            ``--chat`` without a chat template, a chat template that does not render, an empty
+            prompt, token ids outside the model's vocabulary.
+        FileNotFoundError: a missing ``--chat-template`` file; as :func:`mff.load` for ``--ckpt``.
+    """
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
     sampling.validate()
     if cfg.system is not None and not cfg.chat:
         raise ValueError("--system needs --chat (it is a chat-template message)")
+    if cfg.chat_template is not None and not cfg.chat:
+        raise ValueError(f"--chat-template {cfg.chat_template} needs --chat (the template wraps the prompt as a chat message)")
+    template = read_chat_template_file(cfg.chat_template) if cfg.chat_template is not None else None
     if not 0 <= cfg.seed < 2**63:
         raise ValueError(f"--seed {cfg.seed} must be in [0, 2**63)")
     if cfg.threads is not None:
@@ -93,12 +118,12 @@ def run(cfg: GenerateConfig) -> str:
     device = torch.device(resolve_device(cfg.device))
     model, params, text = _load(cfg, device)
     if cfg.chat:
-        if not text.chat_template:
+        if template is None and not text.chat_template:
             raise ValueError(f"--chat: {cfg.ckpt} has no chat template (tokenizer_config.json chat_template, chat_template.jinja "
-                             "or GGUF tokenizer.chat_template)")
+                             "or GGUF tokenizer.chat_template); pass --chat-template FILE")
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [{"role": "user", "content": cfg.prompt}]
-        prompt = render_chat_template(text.chat_template, messages, add_generation_prompt=True,
-                                      bos_token=text.bos_token or "", eos_token=text.eos_token or "")
+        prompt = _render(template or text.chat_template, messages, text,
+                         f"--chat-template {cfg.chat_template}" if template is not None else f"the chat template of {cfg.ckpt}")
         ids = text.tokenizer.encode(prompt, add_special_tokens=False).ids
     else:
         ids = text.tokenizer.encode(cfg.prompt).ids
