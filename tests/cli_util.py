@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +51,26 @@ def run_cli(args: list[str], cache_dir: Path, **kw) -> subprocess.CompletedProce
     """``python -m mff.recipes.pretrain ARGS`` in a fresh process with its own cache dir."""
     return subprocess.run([sys.executable, "-m", "mff.recipes.pretrain", *args], capture_output=True, text=True, env=cli_env(cache_dir),
                           cwd=ROOT, **kw)
+
+
+def run_cli_streaming(args: list[str], cache_dir: Path, every: int = 25) -> subprocess.CompletedProcess:
+    """Like :func:`run_cli` with no time limit (CI has its own), echoing every ``every``-th step
+    line and the last lines to the terminal (``sys.__stderr__``, past pytest's capture) while it
+    runs, so a slow machine shows progress instead of a silent timeout."""
+    with tempfile.TemporaryFile("w+") as err_file:  # a file, not a pipe: a full stderr pipe cannot block the child
+        proc = subprocess.Popen([sys.executable, "-m", "mff.recipes.pretrain", *args], stdout=subprocess.PIPE, stderr=err_file,
+                                text=True, env=cli_env(cache_dir), cwd=ROOT)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            words = line.split()
+            if len(words) > 1 and words[0] == "step" and "/" in words[1] and int(words[1].split("/")[0]) % every == 0:
+                sys.__stderr__.write(f"[{' '.join(args[:4])} ...] {line}")
+                sys.__stderr__.flush()
+        proc.wait()
+        err_file.seek(0)
+        err = err_file.read()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), err)
 
 
 def popen_cli(args: list[str], cache_dir: Path) -> subprocess.Popen:

@@ -120,7 +120,8 @@ def test_cli_and_summary(tmp_path, tok_path):
     assert p.returncode == 0, p.stderr
     assert f"{len(docs)} documents from 3 files" in p.stdout
     assert "MB/s" in p.stdout and f"wrote {prefix}.bin" in p.stdout and f"{prefix}.idx" in p.stdout
-    assert "preprocess" in p.stderr  # the progress bar
+    assert "\r" not in p.stderr  # no progress bar redrawn into a pipe
+    assert "tokenized in" in p.stdout and "start-up and reading the tokenizer included" in p.stdout
     p = cli(*inputs)  # an existing prefix is refused without --overwrite
     assert p.returncode == 2 and "exists; pass --overwrite" in p.stderr
     p = cli(str(tmp_path / "in" / "nope.jsonl"))
@@ -241,3 +242,31 @@ def test_sigterm_mid_run_leaves_nothing(tmp_path, tok_path):
     assert p.returncode == 130, err
     assert "interrupted; nothing was written" in err
     assert leftovers(tmp_path) == []
+
+
+def test_train_tokenizer_then_tokenize(tmp_path):
+    """--train-tokenizer --vocab-size N writes a tokenizer.json trained on the inputs, then uses it;
+    an existing file is kept unless --overwrite; a vocab below 257 is refused."""
+    inputs, docs = make_inputs(tmp_path / "in", parquet=False)
+    tok = tmp_path / "tok" / "tokenizer.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def cli(*extra: str, out: str = "ds") -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "mff.recipes.preprocess", "--input", *inputs, "--tokenizer", str(tok), "--train-tokenizer",
+               "--output-prefix", str(tmp_path / "out" / out), "--workers", "1", *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+
+    p = cli("--vocab-size", "300")
+    assert p.returncode == 0, p.stderr
+    assert "trained a byte-level BPE of 300 tokens" in p.stdout
+    t = load_tokenizer(str(tok))
+    assert t.get_vocab_size() == 300 and find_eod_id(t, None) == 0
+    ds = IndexedDataset(str(tmp_path / "out" / "ds"))
+    assert t.decode(ds[0].tolist()[:-1]) == docs[0] and ds[0][-1] == 0
+    p = cli("--vocab-size", "300", "--overwrite")
+    assert p.returncode == 0, p.stderr
+    p = cli("--vocab-size", "300", out="other")
+    assert p.returncode == 2 and "tokenizer.json exists; pass --overwrite" in p.stderr
+    p = cli("--vocab-size", "100", "--overwrite")
+    assert p.returncode == 2 and "--vocab-size 100 must be at least 257" in p.stderr
+    assert not list(tok.parent.glob("*.tmp-*"))

@@ -41,7 +41,7 @@ class OptimConfig:
     schedule: Literal["constant", "cosine", "linear", "wsd"] = "cosine"
     """lr schedule after the warmup: constant; cosine or linear decay over all remaining steps; wsd = warmup-stable-decay (the last --optim.decay-ratio of the steps decay)."""
     warmup_steps: int = 20
-    """Linear warmup steps (the first step has lr > 0; the peak is reached at the last warmup step)."""
+    """Linear warmup steps (the first step has lr > 0; the peak is reached at the last warmup step). Left at its default, a pretraining run shorter than it warms up over half its steps; given, it must fit in --steps."""
     min_lr_ratio: float = 0.1
     """Decay floor as a fraction of lr."""
     decay_ratio: float = 0.2

@@ -44,13 +44,15 @@ def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, descripti
     the same family (or be left out) and ``--size`` must be left out.
 
     Returns ``(family name, size name, parsed config)``. Raises ValueError for an unknown model
-    or size (listing the valid ones) or a conflict with ``base``; tyro exits with a usage
-    message for bad flags.
+    or size (listing the valid ones), an unknown option (naming the nearest one) or a conflict
+    with ``base``; tyro exits with code 2 and a usage message for other bad flags.
     """
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--model", default=None)
     pre.add_argument("--size", default=None)
     known, rest = pre.parse_known_args(list(argv))
+    if known.model is not None:
+        known.model = get_family(known.model).name  # HF model_type spellings (deepseek_v3) name their family
     if base is not None:
         if known.model is not None and known.model != base[0]:
             raise ValueError(f"--init-from holds a {base[0]} model but --model is {known.model}; drop --model or pass --model {base[0]}")
@@ -64,14 +66,76 @@ def parse_model_args(config_cls: type, argv: Sequence[str], prog: str, descripti
     doc = (description or "").strip()
     fields = getattr(config_cls, "__dataclass_fields__", {})
     if "size" in fields:
+        aliases = sorted(t for f in FAMILIES.values() for t in f.hf_model_types if t not in FAMILIES)
         doc += (
-            f"\n\n--model {{{','.join(sorted(FAMILIES))}}} (default deepseek3) and --size NAME "
-            f"(for {family.name}: {', '.join(family.sizes)}; default {family.default_size}) choose the model; "
-            "--model.<field> then overrides single fields."
+            "\n\nOptions read before the table below:\n"
+            f"  --model FAMILY    {' | '.join(sorted(FAMILIES))} (default deepseek3; HF model_type spellings such as "
+            f"{', '.join(aliases[:3])} are accepted)\n"
+            f"  --size NAME       named config of the family ({family.name}: {', '.join(family.sizes)}; default {family.default_size}); "
+            "--model.<field> then overrides single fields\n"
+            f"  {MINDFORMERS_YAML_FLAG} FILE    start from the flags a MindFormers YAML translates to (printed; flags given too win)"
         )
     default = config_cls(model=model_cfg, size=size) if "size" in fields else config_cls(model=model_cfg)
+    check_known_options(config_cls[family.config_cls], default, rest, prog)
     cfg = tyro.cli(config_cls[family.config_cls], default=default, args=rest, prog=prog, description=doc)
     return family.name, size, cfg
+
+
+MINDFORMERS_YAML_FLAG = "--from-mindformers-yaml"
+
+# names other trainers use (Megatron, HF Trainer, torchtitan) -> mff's last flag component
+_SYNONYMS = {"learning-rate": "lr", "max-steps": "steps", "train-iters": "steps", "training-steps": "steps", "seq-length": "seq-len",
+             "max-seq-len": "seq-len", "seq-len": "seq-len", "global-batch-size": "batch-size", "lr-warmup-iters": "warmup-steps",
+             "warmup-iters": "warmup-steps", "warmup": "warmup-steps", "clip-grad": "max-grad-norm", "gradient-accumulation-steps":
+             "grad-accum", "save": "ckpt-dir", "output-dir": "ckpt-dir"}
+
+
+def nearest_option(flag: str, options: Sequence[str]) -> str | None:
+    """The option of ``options`` a mistyped ``flag`` most likely meant: a known synonym of its
+    last component (``--optim.learning-rate`` -> ``--optim.lr``, Megatron's ``--train-iters`` ->
+    ``--steps``), else the closest spelling (difflib), preferring options under the same prefix."""
+    import difflib
+
+    name = flag.lstrip("-").replace("_", "-")
+    head, _, last = name.rpartition(".")
+    longs = [o for o in options if o.startswith("--")]
+    target = _SYNONYMS.get(last)
+    if target is not None:
+        same = [o for o in longs if o == f"--{head + '.' if head else ''}{target}"]
+        anywhere = [o for o in longs if o.rpartition(".")[2].lstrip("-") == target]
+        if same or anywhere:
+            return (same or sorted(anywhere, key=len))[0]
+    group = [o for o in longs if head and o.startswith(f"--{head}.")]
+    for pool, cutoff in ((group, 0.5), (longs, 0.6)):
+        hit = difflib.get_close_matches("--" + name, pool, n=1, cutoff=cutoff)
+        if hit:
+            return hit[0]
+    return None
+
+
+def check_known_options(cli_type: Any, default: Any, args: Sequence[str], prog: str) -> None:
+    """Refuse an option the CLI does not have, naming the nearest one, before tyro's own
+    message (which suggests nothing). Raises ValueError (exit code 2 through
+    :func:`run_recipe_main`). Skipped where tyro cannot describe its parser."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parser = tyro.extras.get_parser(cli_type, default=default, prog=prog)
+    except Exception:  # noqa: BLE001 - a tyro without get_parser: tyro reports unknown options itself
+        return
+    options = list(parser._option_string_actions)
+    for arg in args:
+        if arg == "--":
+            break
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in options or flag.replace("_", "-") in options:
+            continue
+        hint = nearest_option(flag, options)
+        raise ValueError(f"unknown option {flag}" + (f"; did you mean {hint}?" if hint else f"; {prog} --help lists the options"))
 
 
 def run_recipe_main(body: Callable[[], int]) -> int:

@@ -182,7 +182,7 @@ def run(cfg: EvalConfig):
 
         bar = bars.get(name)
         if bar is None:
-            bar = bars[name] = tqdm(total=total, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True)
+            bar = bars[name] = tqdm(total=total, desc=name, unit="req", file=sys.stderr, dynamic_ncols=True, disable=not sys.stderr.isatty())
         if done > bar.n:
             bar.update(done - bar.n)
         if done >= total:

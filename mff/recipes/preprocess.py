@@ -84,7 +84,12 @@ class PreprocessConfig:
     chunk_kb: int = 512
     """Size of one worker task, in KiB of text (documents are never split)."""
     overwrite: bool = False
-    """Replace an existing PREFIX.bin/PREFIX.idx."""
+    """Replace an existing PREFIX.bin/PREFIX.idx (and, with --train-tokenizer, an existing --tokenizer file)."""
+    train_tokenizer: bool = False
+    """First train a byte-level BPE of --vocab-size tokens on the input documents (the `tokenizers` library, the EOD token
+    --eod-token or <|endoftext|> at id 0) and write it to --tokenizer as tokenizer.json, then tokenize with it."""
+    vocab_size: int = 8192
+    """Vocabulary size of the tokenizer --train-tokenizer trains (>= 257: 256 bytes and the EOD token)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,8 @@ class PreprocessResult:
         tokens: tokens written, EODs included.
         bytes: UTF-8 bytes of the documents' text.
         seconds: wall time from the first read to the renamed files.
+        tokenize_seconds: the part of it spent tokenizing and writing, after the tokenizer
+            workers started (what ``mb_per_s`` divides by).
         files: input files read.
         empty_dropped: empty or white-space-only documents dropped.
         non_utf8_skipped: .txt files skipped because they are not UTF-8.
@@ -116,11 +123,12 @@ class PreprocessResult:
     dtype: str
     backend: str
     workers: int
+    tokenize_seconds: float = 0.0
 
     @property
     def mb_per_s(self) -> float:
-        """Megabytes (1e6) of document text per second."""
-        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+        """Megabytes (1e6) of document text per second of tokenizing (worker start-up excluded)."""
+        return self.bytes / 1e6 / max(self.tokenize_seconds or self.seconds, 1e-9)
 
 
 @dataclass(frozen=True)
@@ -378,6 +386,8 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessResult
     existing = [p for p in (bin_path(prefix), idx_path(prefix)) if os.path.exists(p)]
     if existing and not cfg.overwrite:
         raise FileExistsError(f"preprocess: {existing[0]} exists; pass --overwrite to replace it or choose another --output-prefix")
+    if cfg.train_tokenizer:
+        train_tokenizer_file(cfg, files)
     tok = _load(cfg)
     eod = find_eod_id(tok, cfg.eod_token, flag="--eod-token") if cfg.append_eod else None
     if isinstance(tok, TiktokenEncoder):
@@ -401,10 +411,12 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessResult
         methods = multiprocessing.get_all_start_methods()
         ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tok, eod, dtype.name, True))
+        pool.map(abs, range(workers), chunksize=1)  # every worker started and holds the tokenizer: start-up is not tokenizing
     else:
         _init_worker(tok, eod, dtype.name, False)
+    t_tokenize = time.perf_counter()
     bar = tqdm(total=sum(f.size for f in files), unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
-               disable=not progress, dynamic_ncols=True)
+               disable=not (progress and sys.stderr.isatty()), dynamic_ncols=True)
     try:
         with IndexedDatasetBuilder(prefix, dtype) as builder:
 
@@ -441,12 +453,45 @@ def preprocess(cfg: PreprocessConfig, progress: bool = True) -> PreprocessResult
         if pool is not None:
             pool.terminate()
             pool.join()
-    seconds = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    seconds, tokenize_seconds = t_end - t0, t_end - t_tokenize
     return PreprocessResult(
         prefix=prefix, bin=bin_path(prefix), idx=idx_path(prefix), documents=documents, tokens=tokens, bytes=text_bytes,
         seconds=seconds, files=len(files), empty_dropped=counts["empty"], non_utf8_skipped=counts["non_utf8"],
-        dtype=dtype.name, backend=backend, workers=workers,
+        dtype=dtype.name, backend=backend, workers=workers, tokenize_seconds=tokenize_seconds,
     )
+
+
+def train_tokenizer_file(cfg: PreprocessConfig, files: Sequence[InputFile]) -> str:
+    """Train a byte-level BPE (:func:`mff.data.tokenizer.train_bpe`) of ``cfg.vocab_size`` tokens
+    on the documents of ``files`` and write it to ``cfg.tokenizer`` (temp name, then rename).
+    Returns the path. Raises FileExistsError when the file exists without ``--overwrite``,
+    ValueError for a vocab size below 257, a tiktoken path or no documents."""
+    from mff.data.tokenizer import DEFAULT_EOD_TOKEN, MIN_BPE_VOCAB, train_bpe
+
+    path = os.path.abspath(os.path.expanduser(cfg.tokenizer))
+    if cfg.vocab_size < MIN_BPE_VOCAB:
+        raise ValueError(f"preprocess: --vocab-size {cfg.vocab_size} must be at least {MIN_BPE_VOCAB} (256 bytes + EOD)")
+    if path.endswith(".tiktoken"):
+        raise ValueError(f"preprocess: --train-tokenizer writes a tokenizer.json, not a tiktoken file: {cfg.tokenizer}")
+    if os.path.exists(path) and not cfg.overwrite:
+        raise FileExistsError(f"preprocess: {cfg.tokenizer} exists; pass --overwrite to replace it, or drop --train-tokenizer to use it")
+    texts = [t for chunk, _, _ in _chunks(files, cfg.text_field, cfg.chunk_kb * 1024, {"empty": 0, "non_utf8": 0}) for t in chunk]
+    if not texts:
+        raise ValueError("preprocess: --train-tokenizer found no non-empty documents in the input")
+    t0 = time.perf_counter()
+    tok = train_bpe(texts, cfg.vocab_size, cfg.eod_token or DEFAULT_EOD_TOKEN)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        tok.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"preprocess: trained a byte-level BPE of {tok.get_vocab_size():,} tokens on {len(texts):,} documents in "
+          f"{time.perf_counter() - t0:.1f} s: {cfg.tokenizer}", flush=True)
+    return path
 
 
 def summary(r: PreprocessResult) -> str:
@@ -458,8 +503,9 @@ def summary(r: PreprocessResult) -> str:
     return "\n".join([
         f"preprocess: {r.documents:,} documents from {r.files:,} files ({r.empty_dropped:,} empty dropped, "
         f"{r.non_utf8_skipped:,} non-UTF-8 files skipped)",
-        f"preprocess: {r.tokens:,} tokens ({r.dtype}), {r.bytes / 1e6:.1f} MB of text in {r.seconds:.1f} s: "
-        f"{r.mb_per_s:.2f} MB/s, {r.tokens / max(r.seconds, 1e-9):,.0f} tokens/s ({r.backend}, {r.workers} worker{'s' if r.workers != 1 else ''})",
+        f"preprocess: {r.tokens:,} tokens ({r.dtype}), {r.bytes / 1e6:.1f} MB of text tokenized in {r.tokenize_seconds:.1f} s: "
+        f"{r.mb_per_s:.2f} MB/s, {r.tokens / max(r.tokenize_seconds, 1e-9):,.0f} tokens/s ({r.backend}, "
+        f"{r.workers} worker{'s' if r.workers != 1 else ''}; {r.seconds:.1f} s in all, start-up and reading the tokenizer included)",
         f"preprocess: wrote {r.bin} ({size(r.bin)}) and {r.idx} ({size(r.idx)})",
     ])
 

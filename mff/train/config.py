@@ -3,15 +3,25 @@ by the step loop (:mod:`mff.train.loop`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
 from mff.optim import OptimConfig
 from mff.parallel import ParallelConfig
 
-__all__ = ["TrainConfig"]
+__all__ = ["TrainConfig", "MetricsConfig", "fit_default_warmup", "flag_given"]
 
 C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Where step metrics go besides the console and --metrics-file."""
+
+    tensorboard: str | None = None
+    """Write TensorBoard scalars (train/loss, train/lm_loss, ..., val/loss) to this folder (needs the tensorboard package)."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,9 @@ class TrainConfig(Generic[C]):
     eval_iters: int = 0
     """Validation batches per evaluation (0 = the whole validation split)."""
     metrics_file: str | None = None
-    """Append one JSON object per step to this file (rank 0)."""
+    """Append one JSON object per step to this file (rank 0); README "Logging" lists the fields and units."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Other metric outputs (TensorBoard)."""
     threads: int | None = None
     """torch CPU threads (default: torch's choice)."""
     precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
@@ -62,3 +74,19 @@ class TrainConfig(Generic[C]):
     """Optimizer (AdamW or Muon), clipping and lr schedule."""
     parallel: ParallelConfig = ParallelConfig()
     """Parallel sizes."""
+
+
+def flag_given(argv: Sequence[str], flag: str) -> bool:
+    """Whether ``flag`` (``--optim.warmup-steps``, also spelt with underscores or ``=VALUE``) is in ``argv``."""
+    spellings = {flag, flag.replace("-", "_").replace("__", "--", 1)}
+    return any(a.split("=", 1)[0] in spellings for a in argv)
+
+
+def fit_default_warmup(cfg: TrainConfig, argv: Sequence[str]) -> TrainConfig:
+    """``cfg`` with a default warmup that fits the run: when ``--optim.warmup-steps`` was not
+    given and its default exceeds ``--steps``, the warmup is half the steps (``--steps 5``
+    warms up over 2). A warmup given on the command line is kept as it is, and
+    :func:`mff.train.loop.check_train_config` refuses it when it exceeds ``--steps``."""
+    if flag_given(argv, "--optim.warmup-steps") or cfg.optim.warmup_steps <= cfg.steps:
+        return cfg
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=cfg.steps // 2))

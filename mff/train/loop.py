@@ -12,7 +12,9 @@ the loader and the checkpoint metadata.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +35,7 @@ from mff.parallel import placements_of
 from mff.parallel.summary import placement_table
 from mff.parallel.watchdog import collective
 from mff.train.config import TrainConfig
-from mff.train.log import RunLog, print0
+from mff.train.log import RunLog, is_rank0, print0
 from mff.train.metrics import available_memory_gib, memory_estimate_gib, mfu
 from mff.train.precision import PRECISIONS, param_dtype
 from mff.train.state import check_resume_config, restore_rng, rng_state
@@ -185,6 +187,33 @@ def print_run_header(name: str, model: Model, dist_info, mesh, params: Mapping[s
     print0(f"{data_line}; peak {peak / 1e9:.1f} GFLOP/s ({peak_src}); {flops_per_token / 1e6:.1f} MFLOP/token")
 
 
+def print_run_plan(cfg: TrainConfig, run: "Loop") -> None:
+    """The resolved run on rank 0, before the first step: global batch, tokens per step and in
+    all, the lr schedule, precision and optimizer; and the resolved options and model config
+    written to ``CKPT_DIR/run_config.json`` (temp name, then rename)."""
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    o = cfg.optim
+    sched = f"{o.schedule} (warmup {o.warmup_steps}"
+    if o.schedule in ("cosine", "linear", "wsd"):
+        sched += f", to {o.min_lr_ratio:g} x peak"
+    if o.schedule == "wsd":
+        sched += f", last {o.decay_ratio:g} of the steps decay ({o.decay_type})"
+    sched += ")"
+    print0(f"run: {cfg.steps:,} steps x global batch {cfg.batch_size} x {cfg.seq_len} tokens = {tokens_per_step:,} tokens/step, "
+           f"{cfg.steps * tokens_per_step:,} tokens in all (grad accum {cfg.grad_accum}); {o.name} lr {o.lr:g} {sched}, "
+           f"clip {o.max_grad_norm:g}; precision {cfg.precision}; ac {cfg.ac}; compile {cfg.compile}; seed {cfg.seed}; "
+           f"checkpoints {cfg.ckpt_dir} every {cfg.save_every or 'end'}")
+    if not is_rank0():
+        return
+    folder = Path(cfg.ckpt_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    doc = {"family": run.meta.get("family"), "size": run.meta.get("size"), "run": run.meta.get("run"), "config": run.meta.get("config"),
+           "mesh": run.meta.get("mesh")}
+    tmp = folder / f".run_config.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, folder / "run_config.json")
+
+
 @dataclass
 class Loop:
     """What :func:`train_loop` runs.
@@ -237,7 +266,8 @@ def train_loop(run: Loop) -> int:
     """
     cfg = run.cfg
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
-    log = RunLog(cfg.metrics_file, total=cfg.steps, initial=run.start)
+    print_run_plan(cfg, run)
+    log = RunLog(cfg.metrics_file, total=cfg.steps, initial=run.start, tensorboard=cfg.metrics.tensorboard)
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.__setitem__("signal", signum))
     tokens_seen = run.tokens_seen
@@ -254,6 +284,7 @@ def train_loop(run: Loop) -> int:
         log.close()
         return 0
     step = run.start
+    t_first = time.perf_counter()
     try:
         for step in range(run.start + 1, end + 1):
             t0 = time.perf_counter()
@@ -268,6 +299,9 @@ def train_loop(run: Loop) -> int:
             rec = {"step": step, "loss": stats.loss, "lm_loss": stats.losses.get("lm"), "balance_loss": stats.losses.get("balance", 0.0),
                    "mtp_loss": stats.losses.get("mtp", 0.0), "lr": lr, "grad_norm": stats.grad_norm, "tokens_per_s": tps,
                    "mfu": mfu(run.flops_per_token, tps, run.peak_flops, run.world_size)}
+            elapsed = time.perf_counter() - t_first
+            rec["elapsed_s"] = elapsed
+            rec["eta_s"] = elapsed / (step - run.start) * (end - step)
             if run.epoch is not None:
                 rec["epoch"] = run.epoch()
             if run.val_batches and (step % cfg.eval_every == 0 or step == cfg.steps):

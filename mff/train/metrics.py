@@ -80,12 +80,17 @@ def memory_estimate_gib(
     heads: int,
     seq_len: int,
     act_bytes: int,
+    attention_scores: bool = False,
 ) -> dict[str, float]:
     """Rough per-device memory in GiB: params, grads, AdamW moments (2 x fp32) and activations
     (Korthikanti et al. 2022, eq. 2: ``s b h (34 + 5 a s / h)`` bytes per layer at 2-byte
-    activations, scaled to ``act_bytes``)."""
+    activations, scaled to ``act_bytes``). ``attention_scores`` False (mff's attention, which
+    runs ``F.scaled_dot_product_attention`` and keeps no ``[a, s, s]`` scores) drops the
+    ``5 a s / h`` term of the softmax scores and their dropout mask, as that paper does for
+    selective recomputation (section 4.1)."""
     gib = 1024**3
-    act = tokens_per_micro_batch * hidden * (34 + 5 * heads * seq_len / hidden) * layers * act_bytes / 2
+    per_token = 34 + (5 * heads * seq_len / hidden if attention_scores else 0)
+    act = tokens_per_micro_batch * hidden * per_token * layers * act_bytes / 2
     out = {
         "params": n_params_local * param_bytes / gib,
         "grads": n_trainable_local * param_bytes / gib,
