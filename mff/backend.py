@@ -39,6 +39,7 @@ __all__ = [
     "comm_backend",
     "ops",
     "select_ops",
+    "cpu_threads",
 ]
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -64,6 +65,44 @@ def _npu_count(torch_npu: ModuleType | None) -> int:
         return int(torch.npu.device_count())  # torch_npu registers torch.npu
     except Exception:
         return 0
+
+
+def cpu_threads(requested: int | None, device_type: str, local_world_size: int | None = None,
+                load: float | None = None, cores: int | None = None) -> tuple[int | None, str]:
+    """The torch CPU thread count a run uses, and why (a phrase for the log).
+
+    ``requested`` (``--threads``) wins. On CPU without it: the cores this process may use,
+    split between the ``local_world_size`` processes of this machine (``LOCAL_WORLD_SIZE`` from
+    torchrun), and never more than the cores the 1-minute load average leaves free (at least
+    1): on a 2-core machine that other work keeps busy, 1 thread trained the quick-start model
+    1.5x faster than 2 (``python bench/threads.py``, README "Threads"). Other devices: None
+    (torch's default). ``load`` / ``cores`` replace the measured ones (tests).
+
+    Raises:
+        ValueError: ``requested`` < 1.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads {requested} must be >= 1")
+        return requested, "--threads"
+    if device_type != "cpu":
+        return None, "torch's default"
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    share = max(1, cores // max(1, local_world_size))
+    free = max(1, int(cores - load + 0.5))
+    n = min(share, free)
+    why = f"{cores} cores / {local_world_size} process{'es' if local_world_size > 1 else ''}"
+    if free < share:
+        why += f", load average {load:.1f} from other work"
+    return n, why + "; --threads N to set"
 
 
 def resolve_device(flag: str | None = None, env: dict[str, str] | None = None) -> str:

@@ -117,3 +117,17 @@ def test_mfu_above_the_measured_peak_is_capped_with_a_note(capsys):
     log.close()
     out = capsys.readouterr().out
     assert "MFU 100.00%" in out and "170%" in out and out.count("note: MFU capped") == 1
+
+
+def test_default_cpu_threads_follow_the_free_cores():
+    from mff.backend import cpu_threads
+
+    assert cpu_threads(None, "cpu", 1, load=0.1, cores=2)[0] == 2        # idle: every core
+    n, why = cpu_threads(None, "cpu", 1, load=1.4, cores=2)
+    assert n == 1 and "load average 1.4" in why                           # one core busy with other work
+    assert cpu_threads(None, "cpu", 2, load=0.0, cores=2)[0] == 1         # two torchrun processes share 2 cores
+    assert cpu_threads(None, "cpu", 1, load=9.0, cores=2)[0] == 1         # never 0
+    assert cpu_threads(3, "cpu", 1, load=9.0, cores=2) == (3, "--threads")  # the flag wins
+    assert cpu_threads(None, "cuda")[0] is None
+    with pytest.raises(ValueError, match="--threads 0 must be >= 1"):
+        cpu_threads(0, "cpu")

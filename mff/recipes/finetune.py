@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mff import ckpt
-from mff.backend import init_distributed, resolve_device
+from mff.backend import cpu_threads, init_distributed, resolve_device
 from mff.ckpt.autoload import checkpoint_kind, load_gguf
 from mff.ckpt.tokenizer_files import TextAssets, load_text_assets, read_tokenizer, save_text_assets
 from mff.data.sft import SFTDataConfig, SFTLoader, build_sft_data, read_chat_template, sft_eval_batches
@@ -226,11 +226,14 @@ def run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
 
 
 def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads, why = cpu_threads(cfg.threads, resolve_device(cfg.device))
+    if threads is not None:
+        torch.set_num_threads(threads)
     _check_lora(cfg)
     # backend -> mesh
     dist_info = init_distributed(resolve_device(cfg.device), cfg.parallel.timeout_s)
+    if threads is not None:
+        print0(f"threads: {threads} ({why})")
     mesh = build_mesh(dist_info.device_type, cfg.parallel, dist_info.world_size)
     dp_size, dp_rank = data_parallel_size(mesh), data_parallel_rank(mesh)
     # model and adapters

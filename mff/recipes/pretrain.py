@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 from mff import ckpt
-from mff.backend import init_distributed, resolve_device
+from mff.backend import cpu_threads, init_distributed, resolve_device
 from mff.data import (
     DataConfig,
     Loader,
@@ -96,10 +96,13 @@ def _data(cfg: PretrainConfig, model, dp_rank: int, dp_size: int, rank: int):
 
 
 def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads, why = cpu_threads(cfg.threads, resolve_device(cfg.device))
+    if threads is not None:
+        torch.set_num_threads(threads)
     # backend -> mesh
     dist_info = init_distributed(resolve_device(cfg.device), cfg.parallel.timeout_s)
+    if threads is not None:
+        print0(f"threads: {threads} ({why})")
     mesh = build_mesh(dist_info.device_type, cfg.parallel, dist_info.world_size)
     dp_size, dp_rank = data_parallel_size(mesh), data_parallel_rank(mesh)
     # model
