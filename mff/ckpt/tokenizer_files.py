@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 from mff.ckpt.autoload import checkpoint_kind, resolve_mff_step_dir, tokenizer_folder
 from mff.ckpt.checkpoint import read_meta
+from mff.data.chat import read_chat_template_file
 
 __all__ = ["TextAssets", "load_text_assets", "read_tokenizer", "read_chat_template_file", "text_asset_files", "save_text_assets",
            "hf_export_files", "write_text_atomic", "TOKEN_ID_KEYS"]
@@ -79,27 +80,6 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def read_chat_template_file(path: str | os.PathLike, flag: str = "--chat-template") -> str:
-    """The text of a Jinja chat template file given as ``flag``.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is not a file, not UTF-8 text, or empty (the message names it).
-    """
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{flag} {p} does not exist")
-    if not p.is_file():
-        raise ValueError(f"{flag} {p} is not a file (a Jinja chat template file)")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{flag} {p} is not UTF-8 text: {e}") from None
-    if not text.strip():
-        raise ValueError(f"{flag} {p} is empty")
-    return text
 
 
 def read_tokenizer(path: str | os.PathLike) -> Tokenizer:

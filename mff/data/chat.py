@@ -16,11 +16,13 @@ templates use to mark assistant text renders its body unchanged here.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-__all__ = ["render_chat_template"]
+__all__ = ["render_chat_template", "read_chat_template_file"]
 
 
 def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
@@ -78,3 +80,24 @@ def _compile(template: str):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(template)
+
+
+def read_chat_template_file(path: str | os.PathLike, flag: str = "--chat-template") -> str:
+    """The text of a Jinja chat template file given as ``flag``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a file, not UTF-8 text, or empty (the message names it).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{flag} {p} does not exist")
+    if not p.is_file():
+        raise ValueError(f"{flag} {p} is not a file (a Jinja chat template file)")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {p} is not UTF-8 text: {e}") from None
+    if not text.strip():
+        raise ValueError(f"{flag} {p} is empty")
+    return text

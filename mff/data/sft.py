@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 
+from mff.data.chat import read_chat_template_file
 from mff.data.loader import Loader, eval_bounds
 from mff.data.sft_encode import TRAIN_ON, ChatTemplateEncoder, Encoded, MindFormersAlpacaEncoder
 from mff.data.sft_rows import FORMATS, Row, read_rows, to_messages
@@ -163,20 +163,9 @@ def _is_val(key: str, permille: int) -> bool:
 
 
 def read_chat_template(path: str) -> str:
-    """The text of a ``--data.chat-template`` file. Raises FileNotFoundError / ValueError (not a
-    file, not UTF-8, empty), naming the file."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"--data.chat-template {p} does not exist")
-    if not p.is_file():
-        raise ValueError(f"--data.chat-template {p} is not a file (a Jinja chat template file)")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--data.chat-template {p} is not UTF-8 text: {e}") from None
-    if not text.strip():
-        raise ValueError(f"--data.chat-template {p} is empty")
-    return text
+    """The text of a ``--data.chat-template`` file (:func:`mff.data.chat.read_chat_template_file`).
+    Raises FileNotFoundError / ValueError (not a file, not UTF-8, empty), naming the file."""
+    return read_chat_template_file(path, flag="--data.chat-template")
 
 
 def held_out(rows: list[Row], val_permille: int) -> list[bool]:
