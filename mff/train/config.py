@@ -63,7 +63,7 @@ class TrainConfig(Generic[C]):
     metrics: MetricsConfig = MetricsConfig()
     """Other metric outputs (TensorBoard)."""
     threads: int | None = None
-    """torch CPU threads (default: torch's choice)."""
+    """torch CPU threads; default on CPU: the cores this process may use, split between the machine's torchrun processes, no more than the load average leaves free (printed at start)."""
     precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
     """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state)."""
     ac: Literal["none", "full", "selective"] = "none"

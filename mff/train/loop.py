@@ -190,7 +190,8 @@ def print_run_header(name: str, model: Model, dist_info, mesh, params: Mapping[s
 def print_run_plan(cfg: TrainConfig, run: "Loop") -> None:
     """The resolved run on rank 0, before the first step: global batch, tokens per step and in
     all, the lr schedule, precision and optimizer; and the resolved options and model config
-    written to ``CKPT_DIR/run_config.json`` (temp name, then rename)."""
+    written to ``CKPT_DIR/run_config.json`` (temp name, then rename), with the device, process
+    count and CPU threads the run picked under ``resolved``."""
     tokens_per_step = cfg.batch_size * cfg.seq_len
     o = cfg.optim
     sched = f"{o.schedule} (warmup {o.warmup_steps}"
@@ -208,7 +209,8 @@ def print_run_plan(cfg: TrainConfig, run: "Loop") -> None:
     folder = Path(cfg.ckpt_dir)
     folder.mkdir(parents=True, exist_ok=True)
     doc = {"family": run.meta.get("family"), "size": run.meta.get("size"), "run": run.meta.get("run"), "config": run.meta.get("config"),
-           "mesh": run.meta.get("mesh")}
+           "mesh": run.meta.get("mesh"), "resolved": {"device": str(run.device), "world_size": run.world_size,
+                                                      "threads": torch.get_num_threads(), "warmup_steps": o.warmup_steps}}
     tmp = folder / f".run_config.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
     os.replace(tmp, folder / "run_config.json")
