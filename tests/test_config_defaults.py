@@ -78,7 +78,7 @@ def _build(family: str, rope: str, folder):
 def _hf_logits(folder, ids):
     """transformers' logits for the folder, or None where it refuses or would random-initialise."""
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, attn_implementation="eager")
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
     except Exception:  # noqa: BLE001 - any refusal counts
         return None
     if info["missing_keys"] or info["mismatched_keys"] or info["unexpected_keys"]:
@@ -155,6 +155,31 @@ def test_each_missing_key_means_what_transformers_means(family, rope, tmp_path):
 
 HF_FAMILY = {"llama": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "glm4": "glm4", "glm4_moe": "glm4_moe",
              "deepseek_v3": "deepseek3"}
+
+
+def test_rope_scaling_replaces_rope_parameters_as_in_transformers(tmp_path):
+    """A config.json with both blocks: transformers 5 takes rope_scaling whole (whatever its type)
+    with the top-level rope_theta and partial_rotary_factor; a top-level null partial factor
+    rotates the whole head."""
+    ids = torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(1))
+    cases = {
+        "llama": [{"rope_scaling": {"rope_type": "default"}},
+                  {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}, "rope_theta": 2000.0},
+                  {"rope_scaling": {"rope_type": "default", "rope_theta": 2000.0}}],
+        "glm4": [{"rope_scaling": {"rope_type": "yarn", "factor": 2.0}, "partial_rotary_factor": 0.25},
+                 {"partial_rotary_factor": None, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}],
+    }
+    for family, edits in cases.items():
+        base = tmp_path / family
+        _build(family, "yarn", base)
+        config = json.loads((base / "config.json").read_text())
+        for i, edit in enumerate(edits):
+            folder = tmp_path / f"{family}-{i}"
+            shutil.copytree(base, folder)
+            (folder / "config.json").write_text(json.dumps({**config, **edit}))
+            ref, got = _hf_logits(folder, ids), _mff_logits(folder, ids)
+            assert ref is not None and not isinstance(got, Exception), (family, edit, got)
+            assert (got - ref).abs().max().item() <= 1e-4, (family, edit)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -131,3 +131,11 @@ def test_default_cpu_threads_follow_the_free_cores():
     assert cpu_threads(None, "cuda")[0] is None
     with pytest.raises(ValueError, match="--threads 0 must be >= 1"):
         cpu_threads(0, "cpu")
+
+
+def test_a_pad_token_outside_the_vocabulary_is_refused_before_training(corpus, tmp_path):
+    """An export of such a run would load nowhere (transformers refuses it too)."""
+    path, cache = corpus
+    r = run_cli(_args(path, ["--steps", "2", "--model.pad-token-id", "99999", "--ckpt-dir", str(tmp_path / "c")]), cache, timeout=300)
+    assert r.returncode == 2
+    assert "pad_token_id=99999 is outside the vocabulary (vocab_size=512)" in r.stderr and "Traceback" not in r.stderr

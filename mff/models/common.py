@@ -196,8 +196,9 @@ def _rope_from_hf(d: Mapping[str, Any], partial_rotary: bool, defaults: RopePara
     ``partial_rotary_factor`` inside or at the top level (read only by families that use it,
     as HF does).
 
-    A key the config leaves out means what it means to transformers (``PreTrainedConfig.
-    standardize_rope_params`` and ``modeling_rope_utils``): ``rope_theta`` and
+    A non-empty ``rope_scaling`` replaces ``rope_parameters`` whole, as in transformers 5
+    (``convert_rope_params_to_dict``). A key the config leaves out means what it means to
+    transformers (``PreTrainedConfig.standardize_rope_params`` and ``modeling_rope_utils``): ``rope_theta`` and
     ``partial_rotary_factor`` take the family's defaults (``defaults``: GLM-4's 0.5, ...);
     YaRN and llama3 without ``original_max_position_embeddings`` take a top-level
     ``original_max_position_embeddings`` if there is one, else ``max_position_embeddings``; YaRN
@@ -209,17 +210,18 @@ def _rope_from_hf(d: Mapping[str, Any], partial_rotary: bool, defaults: RopePara
         if part is not None and not isinstance(part, Mapping):
             raise ValueError(f"config.json: {key}={part!r} must be an object (e.g. {{\"rope_type\": \"yarn\", \"factor\": 4.0}})")
     rp, rs = d.get("rope_parameters"), d.get("rope_scaling")
-    if isinstance(rp, Mapping):
-        src.update(rp)
-    if isinstance(rs, Mapping) and rs.get("rope_type", rs.get("type", "default")) != "default":
-        src.update(rs)  # a legacy scaling block wins over a default rope_parameters (as HF v5 standardises it)
+    # transformers (PreTrainedConfig.convert_rope_params_to_dict): a non-empty rope_scaling replaces
+    # rope_parameters whole, whatever its type; rope_theta and partial_rotary_factor then come from the top level
+    block = rs if isinstance(rs, Mapping) and rs else rp if isinstance(rp, Mapping) else {}
+    src.update(block)
     if src.get("rope_theta") is None:
         src["rope_theta"] = d["rope_theta"] if d.get("rope_theta") is not None else defaults.rope_theta
     if not partial_rotary:
         src.pop("partial_rotary_factor", None)
     elif src.get("partial_rotary_factor") is None:
-        top = d.get("partial_rotary_factor")
-        src["partial_rotary_factor"] = top if top is not None else defaults.partial_rotary_factor
+        # a top-level key wins over the family default even when null (null: the whole head rotates)
+        top = d["partial_rotary_factor"] if "partial_rotary_factor" in d else defaults.partial_rotary_factor
+        src["partial_rotary_factor"] = 1.0 if top is None else top
     if "type" in src and "rope_type" not in src:
         src["rope_type"] = src["type"]
     rope_type = src.get("rope_type", "default")

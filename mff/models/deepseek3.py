@@ -22,6 +22,7 @@ from torch import nn
 
 from mff.model import Family, Output
 from mff.models.common import config_from_hf, config_to_hf, scaled_init_table
+from mff.models.validate import check_pad_token
 from mff.nn.blocks import BlockExecution, run_block
 from mff.nn.decoder import prepare_positions_and_mask
 from mff.nn.head import HeadWeight, head_cross_entropy_sum, head_logits, head_weight
@@ -153,6 +154,7 @@ class DeepseekV3Config:
             self.rope_parameters.validate()
         except ValueError as e:
             raise ValueError(f"model config: {e}") from None
+        check_pad_token(self)
 
     @property
     def qk_head_dim(self) -> int:
@@ -399,15 +401,11 @@ def from_hf_config(d: dict) -> DeepseekV3Config:
     ``num_nextn_predict_layers`` means 1, as ``DeepseekV3Config``'s default; a folder without
     MTP tensors then loads with MTP off (:func:`mff.ckpt.hf.load_hf_tensors` says so).
 
+    ``num_key_value_heads`` is read and not used (MLA has one key and value per head).
+
     Raises:
-        ValueError: as :func:`mff.models.common.config_from_hf`, or ``num_key_value_heads`` other
-            than ``num_attention_heads``."""
-    cfg = config_from_hf(DeepseekV3Config, d, aliases={"n_routed_experts": ("num_local_experts",)})
-    if cfg.num_key_value_heads != cfg.num_attention_heads:
-        where = "num_key_value_heads" if "num_key_value_heads" in d else "num_key_value_heads (not in config.json; HF's default)"
-        raise ValueError(f"config.json: {where}={cfg.num_key_value_heads} must equal num_attention_heads={cfg.num_attention_heads}: "
-                         "MLA has one key and value per head, and transformers' DeepseekV3Attention refuses any other count")
-    return cfg
+        ValueError: as :func:`mff.models.common.config_from_hf`."""
+    return config_from_hf(DeepseekV3Config, d, aliases={"n_routed_experts": ("num_local_experts",)})
 
 
 def to_hf_config(cfg: DeepseekV3Config) -> dict:

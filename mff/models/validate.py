@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["need", "check_gqa", "check_moe"]
+__all__ = ["need", "check_gqa", "check_moe", "check_pad_token"]
 
 
 def need(cond: bool, msg: str) -> None:
@@ -15,8 +15,19 @@ def need(cond: bool, msg: str) -> None:
         raise ValueError(f"model config: {msg}")
 
 
+def check_pad_token(cfg: Any) -> None:
+    """``pad_token_id`` None or a row of the embedding (``-vocab_size <= id < vocab_size``, what
+    ``torch.nn.Embedding(padding_idx=...)`` and so transformers accept): an export with another
+    one would not load anywhere."""
+    pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
+    if pad is not None and isinstance(vocab, int):
+        need(-vocab <= pad < vocab, f"pad_token_id={pad} is outside the vocabulary (vocab_size={vocab}); "
+                                    "set it to a token id below vocab_size, or to null")
+
+
 def check_gqa(cfg: Any) -> None:
-    """Sizes > 0, heads a multiple of KV heads, finite eps / init, RoPE parameters, rotary dims even."""
+    """Sizes > 0, heads a multiple of KV heads, finite eps / init, RoPE parameters, rotary dims even,
+    the pad token in the vocabulary."""
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = getattr(cfg, name)
@@ -31,6 +42,7 @@ def check_gqa(cfg: Any) -> None:
         raise ValueError(f"model config: {e}") from None
     rot = int(cfg.head_dim * cfg.rope_parameters.partial_rotary_factor)
     need(rot >= 2 and rot % 2 == 0, f"rotary dims head_dim * partial_rotary_factor = {rot} must be even and >= 2")
+    check_pad_token(cfg)
 
 
 def check_moe(cfg: Any, num_experts: int, n_group: int = 1, topk_group: int = 1) -> None:

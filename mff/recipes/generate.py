@@ -89,7 +89,8 @@ def _render(template: str, messages: list[dict], text, where: str) -> str:
     try:
         return render_chat_template(template, messages, add_generation_prompt=True, bos_token=text.bos_token or "",
                                     eos_token=text.eos_token or "")
-    except jinja2.TemplateError as e:
+    except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError, MemoryError) as e:
+        # whatever the template's own expressions raise (1/0, a range the sandbox refuses, runaway recursion)
         raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
 
 

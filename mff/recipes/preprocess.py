@@ -486,6 +486,8 @@ def train_tokenizer_file(cfg: PreprocessConfig, files: Sequence[InputFile]) -> s
     try:
         tok.save(tmp)
         os.replace(tmp, path)
+    except Exception as e:  # tokenizers raises a bare Exception for an unwritable path
+        raise OSError(f"preprocess: cannot write the trained tokenizer to {cfg.tokenizer}: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
