@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from mff import ckpt
+from mff.ckpt.tokenizer_files import write_text_atomic
 from mff.data import split_microbatches
 from mff.model import Model
 from mff.nn.blocks import AC_MODES
@@ -206,14 +206,10 @@ def print_run_plan(cfg: TrainConfig, run: "Loop") -> None:
            f"checkpoints {cfg.ckpt_dir} every {cfg.save_every or 'end'}")
     if not is_rank0():
         return
-    folder = Path(cfg.ckpt_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     doc = {"family": run.meta.get("family"), "size": run.meta.get("size"), "run": run.meta.get("run"), "config": run.meta.get("config"),
            "mesh": run.meta.get("mesh"), "resolved": {"device": str(run.device), "world_size": run.world_size,
                                                       "threads": torch.get_num_threads(), "warmup_steps": o.warmup_steps}}
-    tmp = folder / f".run_config.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, folder / "run_config.json")
+    write_text_atomic(Path(cfg.ckpt_dir) / "run_config.json", json.dumps(doc, indent=2, default=str) + "\n")
 
 
 @dataclass
