@@ -213,6 +213,24 @@ def test_bad_input(base, rows, tmp_path):
     _fails([*common, "--data.path", str(rows), "--steps", "2", "--lora.r", "8"], tmp_path, "this run has r 8", 1)
 
 
+def test_pretraining_and_fine_tuning_folders_are_not_continued_by_the_other_recipe(base, rows, tmp_path):
+    """A pretraining run's --ckpt-dir given to finetune (the README once reused runs/tp2) is refused
+    before anything is read from it, and the reverse, naming the folder and both recipes."""
+    from tests.cli_util import make_corpus, run_cli, tiny_args
+
+    pre = tmp_path / "pre"
+    r = run_cli([*tiny_args(make_corpus(tmp_path / "corpus", 20)), "--steps", "2", "--ckpt-dir", str(pre)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    line = _fails(["--init-from", str(base), "--data.path", str(rows), "--ckpt-dir", str(pre), *FAST], tmp_path,
+                  "is a checkpoint of a pretrain run; a finetune run cannot continue it", 1)
+    assert str(pre) in line
+    ft = tmp_path / "ft"
+    r = run_finetune(["--init-from", str(base), "--data.path", str(rows), "--ckpt-dir", str(ft), "--steps", "1", *FAST], tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli([*tiny_args(tmp_path / "corpus"), "--steps", "3", "--ckpt-dir", str(ft)], tmp_path)
+    assert r.returncode == 1 and "is a checkpoint of a finetune run; a pretrain run cannot continue it" in r.stderr, r.stderr
+
+
 def test_a_failed_start_leaves_no_folder(base, rows, tmp_path):
     out = tmp_path / "out"
     _fails(["--init-from", str(base), "--ckpt-dir", str(out), "--data.path", str(rows), "--seq-len", "100000"], tmp_path, "--seq-len 100000")

@@ -57,6 +57,7 @@ from mff.train.config import TrainConfig
 from mff.train.loop import Loop, check_train_config, memory_check, print_run_header, rank_slices, resumable, resume, train_loop
 from mff.train.metrics import device_peak_flops
 from mff.train.precision import compute_dtype, param_dtype
+from mff.train.state import check_resume_recipe
 
 __all__ = ["FinetuneConfig", "main", "run"]
 
@@ -123,6 +124,8 @@ def _prepare(argv: list[str]) -> _Init | None:
     kind = checkpoint_kind(known.init_from)
     last = ckpt.latest_step_dir(known.ckpt_dir)
     meta = ckpt.read_meta(last, required=("family", "config")) if last is not None else None
+    if meta is not None:
+        check_resume_recipe(meta, "finetune", last)  # before a pretraining run's folder is read as a fine-tuning run's
     if meta is not None and "lora" not in meta:  # full fine-tuning resumes: the weights are in the checkpoint
         family = get_family(meta["family"])
         print0(f"--init-from {known.init_from} not loaded: {known.ckpt_dir} holds a checkpoint, which this run resumes")
@@ -288,7 +291,7 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
         saved = adapters
     else:
         saved = params
-    last = resumable(cfg, family, model, _lora_check(lora, base_fp))
+    last = resumable(cfg, family, model, _lora_check(lora, base_fp), recipe="finetune")
     if dist_info.rank == 0:  # the tokenizer and chat template travel with the run (generate --chat, convert)
         save_text_assets(cfg.ckpt_dir, text)
     loader = SFTLoader(data.train, cfg.batch_size, cfg.seed, shuffle=cfg.data.shuffle, dp_rank=dp_rank, dp_size=dp_size)
@@ -310,7 +313,7 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
     print_run_header(f"{family} from {cfg.init_from}", model, dist_info, mesh, params, mem, data.summary(), peak, peak_src, flops, extra)
     print0(f"steps {cfg.steps} ({cfg.steps * cfg.batch_size / len(data.train):.2f} epochs of {len(data.train):,} rows), "
            f"lr {cfg.optim.lr:g}, warmup {cfg.optim.warmup_steps}")
-    meta = {"family": family, "size": "init-from", "config": config_to_dict(model.config), "run": config_to_dict(cfg, skip=("model",)),
+    meta = {"recipe": "finetune", "family": family, "size": "init-from", "config": config_to_dict(model.config), "run": config_to_dict(cfg, skip=("model",)),
             "mesh": {"axes": list(mesh.mesh_dim_names), "shape": list(mesh.shape)}, "placements": placements_of(saved),
             "source": str(Path(cfg.init_from).absolute())}
     if lora is not None:

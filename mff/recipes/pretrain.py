@@ -130,7 +130,7 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     peak, peak_src = device_peak_flops(dist_info.device)
     flops_per_token = model.train_flops_per_token(cfg.seq_len)
     print_run_header(f"{family}/{size}", model, dist_info, mesh, params, mem, data_line, peak, peak_src, flops_per_token)
-    meta = {"family": family, "size": size, "config": config_to_dict(model.config), "run": config_to_dict(cfg, skip=("model",)),
+    meta = {"recipe": "pretrain", "family": family, "size": size, "config": config_to_dict(model.config), "run": config_to_dict(cfg, skip=("model",)),
             "mesh": {"axes": list(mesh.mesh_dim_names), "shape": list(mesh.shape)}, "placements": placements_of(params)}
     return train_loop(Loop(cfg, model, params, params, opt_state, loader, val_batches, val_entropy, meta, dist_info.device,
                            dist_info.world_size, start, tokens_seen, getattr(model.config, "moe_router_bias_update_rate", 0.0),

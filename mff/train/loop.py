@@ -38,7 +38,7 @@ from mff.train.config import TrainConfig
 from mff.train.log import RunLog, is_rank0, print0
 from mff.train.metrics import available_memory_gib, memory_estimate_gib, mfu
 from mff.train.precision import PRECISIONS, param_dtype
-from mff.train.state import check_resume_config, restore_rng, rng_state
+from mff.train.state import check_resume_config, check_resume_recipe, restore_rng, rng_state
 from mff.train.step import NonFiniteError, check_finite, eval_loss, train_step
 
 __all__ = ["Loop", "train_loop", "check_train_config", "memory_check", "resumable", "resume", "rank_slices", "print_run_header"]
@@ -116,11 +116,12 @@ def memory_check(cfg: TrainConfig, model: Model, device: torch.device, shard: in
     return mem
 
 
-def resumable(cfg: TrainConfig, family: str, model: Model, check: Callable[[dict, Path], None] | None = None) -> Path | None:
-    """The newest checkpoint folder of ``--ckpt-dir`` (None if there is none), once its model,
-    sequence length, precision and optimizer (and whatever ``check(meta, folder)`` checks) are
-    checked against this run; called before the data is read so that a wrong ``--ckpt-dir``
-    fails at once.
+def resumable(cfg: TrainConfig, family: str, model: Model, check: Callable[[dict, Path], None] | None = None,
+              recipe: str = "pretrain") -> Path | None:
+    """The newest checkpoint folder of ``--ckpt-dir`` (None if there is none), once its recipe
+    (``recipe``: ``"pretrain"`` or ``"finetune"``), model, sequence length, precision and
+    optimizer (and whatever ``check(meta, folder)`` checks) are checked against this run; called
+    before the data is read so that a wrong ``--ckpt-dir`` fails at once.
 
     Raises:
         CheckpointError: the checkpoint was made by a run this one cannot continue.
@@ -129,6 +130,7 @@ def resumable(cfg: TrainConfig, family: str, model: Model, check: Callable[[dict
     if last is None:
         return None
     meta = ckpt.read_meta(last, required=("tokens_seen", "data", "rng", "family", "config", "run"))
+    check_resume_recipe(meta, recipe, last)
     check_resume_config(meta, family, model.config)
     saved_len = meta["run"].get("seq_len")
     if saved_len != cfg.seq_len:

@@ -12,7 +12,7 @@ import torch
 
 from mff.ckpt import CheckpointError
 
-__all__ = ["config_to_dict", "check_resume_config", "rng_state", "restore_rng"]
+__all__ = ["config_to_dict", "check_resume_config", "check_resume_recipe", "run_recipe", "rng_state", "restore_rng"]
 
 
 def config_to_dict(cfg: Any, skip: Sequence[str] = ()) -> dict:
@@ -42,6 +42,26 @@ def check_resume_config(meta: dict, family: str, config: Any) -> None:
             diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {now.get(key)!r}")
     if diffs:
         raise CheckpointError("the checkpoint's model config differs from this run's: " + "; ".join(diffs) + " (use another --ckpt-dir)")
+
+
+def run_recipe(meta: dict) -> str:
+    """The recipe that wrote a checkpoint: its ``recipe`` field, or, for checkpoints written
+    before that field existed, ``"finetune"`` when it records a ``source`` or ``lora`` entry
+    (fine-tuning always does), else ``"pretrain"``."""
+    recipe = meta.get("recipe")
+    if isinstance(recipe, str):
+        return recipe
+    return "finetune" if "source" in meta or "lora" in meta else "pretrain"
+
+
+def check_resume_recipe(meta: dict, recipe: str, folder: Path | str) -> None:
+    """Raise CheckpointError when the checkpoint at ``folder`` was written by another recipe
+    (a pretraining run's folder given to ``finetune``, or the reverse): a run only continues
+    its own kind of run."""
+    saved = run_recipe(meta)
+    if saved != recipe:
+        raise CheckpointError(f"{folder} is a checkpoint of a {saved} run; a {recipe} run cannot continue it "
+                              f"(give this run its own --ckpt-dir)")
 
 
 def rng_state() -> dict:
