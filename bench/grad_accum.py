@@ -1,6 +1,6 @@
 """Training tokens/s of one global batch split into micro-batches, against the same batch whole.
 
-    python bench/grad_accum.py [--rows 4 --seq-len 256 --rounds 5 --steps 3 --size tiny --threads N]
+    python bench/grad_accum.py [--rows 4 --seq-len 256 --rounds 5 --steps 3 --size tiny --threads N --grouped-mm auto]
 
 The model is the tiny DeepSeek-V3 of the quick start. One optimizer step
 (``mff.train.step.train_step``, AdamW) on ``--rows`` sequences of ``--seq-len`` tokens runs
@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mff  # noqa: E402
+from mff.backend import select_ops  # noqa: E402
 from mff.data import split_microbatches  # noqa: E402
 from mff.optim import OptimConfig, init_state  # noqa: E402
 from mff.train.step import train_step  # noqa: E402
@@ -37,9 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--grouped-mm", default="auto", choices=("auto", "fused", "loop"),
+                    help="the experts' grouped GEMM, as the recipes pick it (auto: torch._grouped_mm where it runs)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    ops = select_ops("cpu", grouped_mm=args.grouped_mm)
     model = mff.build("deepseek3", size=args.size)
     params = model.init(seed=0)
     optim = OptimConfig(lr=1e-3)
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name].append(args.steps * args.rows * args.seq_len / (time.perf_counter() - t0))
     load = os.getloadavg()
     print(f"deepseek3/{args.size}, {args.rows} x {args.seq_len} tokens per step, {torch.get_num_threads()} threads, "
+          f"grouped GEMM {ops.names['grouped_mm']}, "
           f"{args.rounds} rounds of {args.steps} steps; load average {load[0]:.2f}")
     print("| micro-batches x sequences | tokens/s (median) | x whole batch |")
     print("|---|---|---|")

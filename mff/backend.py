@@ -249,8 +249,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 def grouped_mm_loop(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Per-expert matmul over contiguous row groups: rows ``[sum(counts[:e]), sum(counts[:e+1]))``
     of ``x_ND`` times ``w_EDF[e]`` ([D, F]). Returns [N, F]. A plain loop, the reference for
-    :func:`grouped_mm_fused`."""
-    outs = [x.matmul(w_EDF[e]) for e, x in enumerate(x_ND.split(counts, dim=0)) if counts[e]]
+    :func:`grouped_mm_fused`.
+
+    The experts come from one ``unbind``: its backward stacks the E gradients once, where
+    indexing ``w_EDF[e]`` per expert would allocate and zero-fill a whole [E, D, F] gradient for
+    each expert (a fixed cost per forward that dominated short micro-batches)."""
+    w_e = w_EDF.unbind(0)
+    outs = [x.matmul(w_e[e]) for e, x in enumerate(x_ND.split(counts, dim=0)) if counts[e]]
     if not outs:
         return x_ND.new_zeros(x_ND.shape[0], w_EDF.shape[-1])
     return torch.cat(outs, dim=0)

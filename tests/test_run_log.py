@@ -139,3 +139,24 @@ def test_a_pad_token_outside_the_vocabulary_is_refused_before_training(corpus, t
     r = run_cli(_args(path, ["--steps", "2", "--model.pad-token-id", "99999", "--ckpt-dir", str(tmp_path / "c")]), cache, timeout=300)
     assert r.returncode == 2
     assert "pad_token_id=99999 is outside the vocabulary (vocab_size=512)" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_step_above_the_cpu_peak_measures_the_peak_again(capsys):
+    """A peak measured under load (here: 1 kFLOP/s, far below any CPU) is measured again when a
+    step runs above it; the higher peak is kept and printed, and the step's MFU is against it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mff.train.loop import _remeasure_peak
+
+    run = SimpleNamespace(device=torch.device("cpu"), peak_flops=1e3, flops_per_token=1e6, world_size=1)
+    log = RunLog(None, total=1)
+    value = _remeasure_peak(run, log, 7, tps=10.0)
+    log.close()
+    out = capsys.readouterr().out
+    assert run.peak_flops > 1e8 and value == pytest.approx(1e7 / run.peak_flops)
+    assert "note: peak re-measured at step 7" in out and "start-up: 0.0" in out
+    run.peak_flops = 1e18  # above anything measured: kept, no note
+    assert _remeasure_peak(run, RunLog(None, total=1), 8, tps=10.0) == pytest.approx(1e7 / 1e18)
+    assert "re-measured" not in capsys.readouterr().out

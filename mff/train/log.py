@@ -106,7 +106,7 @@ class RunLog:
         self.write(" | ".join(parts))
         if raw_mfu is not None and raw_mfu > 1.0 and not self.capped_note:
             self.capped_note = True
-            self.write(f"note: MFU capped at 100%: step {rec['step']} ran {100 * raw_mfu:.0f}% of the peak measured at start-up, "
+            self.write(f"note: MFU capped at 100%: step {rec['step']} ran {100 * raw_mfu:.0f}% of the measured peak, "
                        "so that peak was measured while other work loaded the machine")
         if "val_loss" in rec:
             extra = f" (validation unigram entropy {val_entropy:.4f})" if val_entropy is not None else ""
