@@ -12,6 +12,7 @@ sequence again): exact and slow, for tests.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from mff.model import Model
 from mff.sampling import SamplingConfig, mark_seen, sample, seen_mask_from_ids
 
-__all__ = ["generate", "greedy_generate"]
+__all__ = ["cache_bucket", "generate", "greedy_generate"]
 
 
 def _ids(x: int | Iterable[int] | None, name: str = "eos_token_id") -> list[int]:
@@ -48,6 +49,7 @@ def generate(
     on_token: Callable[[torch.Tensor], None] | None = None,
     stop_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     compile: bool = False,
+    timings: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """Continue ``input_ids`` by up to ``max_new_tokens`` tokens per row.
 
@@ -63,8 +65,15 @@ def generate(
         stop_fn: called (after ``on_token``) with each step's ids int64 [B]; returns bool [B],
             the rows to stop now as if they had emitted EOS (stop strings, for evaluation).
         compile: run each decode step as one ``torch.compile``-d graph (same shapes at every
-            position, so it compiles once per model, batch size and cache length; the first
-            call pays the compile time). Mat-vecs then stream the weights in fused loops.
+            position). The cache is allocated to :func:`cache_bucket` slots, so the graph is
+            built once per model, batch size and bucket (powers of two from 256), whatever the
+            prompt length and ``max_new_tokens``; the first call in a process traces it, and
+            Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) spares later processes the
+            kernel compilation. Mat-vecs then stream the weights in fused loops.
+        timings: filled (when given) with the decode steps' wall times in seconds:
+            ``first_step_s`` (the first step: it includes the compilation under ``compile``),
+            ``step_s`` (the median of the later steps) and ``steps``; the device is
+            synchronised around each step for it.
     Returns:
         int64 [B, T + n], n <= ``max_new_tokens`` (fewer when every row stopped early).
     Raises:
@@ -108,7 +117,8 @@ def generate(
     stops = sorted(set(_ids(eos_token_id) + _ids(tuple(stop_token_ids), "stop_token_ids")))
     stop_t = torch.tensor(stops, dtype=torch.int64, device=device)
     dtype = params["model.embed_tokens.weight"].dtype
-    cache = model.init_cache(B, T + max_new_tokens, dtype=dtype, device=device)
+    capacity = cache_bucket(T + max_new_tokens, limit) if compile else T + max_new_tokens
+    cache = model.init_cache(B, capacity, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     seen = seen_mask_from_ids(input_ids.masked_fill(~attention_mask, -1), V) if sampling.repetition_penalty != 1.0 else None
 
@@ -121,6 +131,7 @@ def generate(
     out_ids = [input_ids]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     step_fn = _compiled_step(model) if compile else _eager_step(model)
+    step_times: list[float] = []
     cache = {k: v for k, v in cache.items() if k != "offset"}  # capacity was checked above
     for step in range(max_new_tokens):
         nxt = sample(logits.float(), sampling, gen, seen)
@@ -138,13 +149,51 @@ def generate(
             break
         if seen is not None:
             seen = mark_seen(seen, nxt.clamp(0, V - 1))
+        t0 = _clock(device) if timings is not None else 0.0
         if compile and step >= 2:
             # compiled, and its guards passed twice: skip re-checking them for this call only
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 logits, cache = step_fn(params, nxt, cache)
         else:
             logits, cache = step_fn(params, nxt, cache)
+        if timings is not None:
+            step_times.append(_clock(device) - t0)
+    if timings is not None:
+        timings.update(_summary(step_times))
     return torch.cat(out_ids, dim=1)
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+    return time.perf_counter()
+
+
+def _summary(step_times: list[float]) -> dict[str, float]:
+    if not step_times:
+        return {"steps": 0}
+    later = sorted(step_times[1:])
+    out = {"steps": len(step_times), "first_step_s": step_times[0]}
+    if later:
+        out["step_s"] = later[len(later) // 2]
+    return out
+
+
+CACHE_BUCKET_MIN = 256
+
+
+def cache_bucket(length: int, limit: int) -> int:
+    """The KV-cache capacity a compiled decode step is built for: the smallest power of two
+    >= ``length`` (at least :data:`CACHE_BUCKET_MIN`), at most ``limit`` (the model's
+    context). Every prompt length and ``max_new_tokens`` that fits one bucket reuses the same
+    compiled graph (same shapes); slots past the tokens are masked as ``valid`` False, so the
+    tokens do not depend on the bucket."""
+    cap = CACHE_BUCKET_MIN
+    while cap < length:
+        cap *= 2
+    return min(cap, limit)
 
 
 def _eager_step(model: Model):

@@ -137,3 +137,17 @@ def test_compiled_decode_step_matches_eager(family):
     eager = generate(model, params, ids, 12, attention_mask=mask)
     compiled = generate(model, params, ids, 12, attention_mask=mask, compile=True)
     assert torch.equal(eager, compiled)
+    # another prompt length and max_new_tokens in the same cache bucket: no second compilation
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["frames"])
+    compiled = generate(model, params, ids[:, 1:], 20, attention_mask=mask[:, 1:], compile=True)
+    assert dict(counters["frames"]) == before, (before, dict(counters["frames"]))
+    assert torch.equal(generate(model, params, ids[:, 1:], 20, attention_mask=mask[:, 1:]), compiled)
+
+
+def test_cache_bucket():
+    from mff.generate import cache_bucket
+
+    assert [cache_bucket(n, 4096) for n in (1, 256, 257, 600, 4000)] == [256, 256, 512, 1024, 4096]
+    assert cache_bucket(300, 300) == 300 and cache_bucket(10, 64) == 64  # never past the context

@@ -25,10 +25,12 @@ import tyro
 from mff.backend import resolve_device
 from mff.ckpt.tokenizer_files import read_chat_template_file
 from mff.data.chat import render_chat_template
-from mff.generate import generate
+from mff.decode_timing import break_even_tokens, read_record, record_path, update_record
+from mff.generate import cache_bucket, generate
 from mff.peft.load import load_with_text
 from mff.recipes.common import run_recipe_main
 from mff.sampling import SamplingConfig
+from mff.train.state import config_to_dict
 
 __all__ = ["GenerateConfig", "main"]
 
@@ -73,8 +75,8 @@ class GenerateConfig:
     """Weights dtype (auto: as stored)."""
     threads: int | None = None
     """CPU threads for torch (default: torch's choice)."""
-    compile: bool = False
-    """Compile the decode step with torch.compile (about 20 s once; then 3x faster decoding on CPU)."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """Decode with a torch.compile-d step: on, off, or auto (compile only where the timings recorded on this machine for this model say it pays back for --max-new-tokens; see README "Speed")."""
 
 
 def _load(cfg: GenerateConfig, device: torch.device):
@@ -148,12 +150,41 @@ def run(cfg: GenerateConfig) -> str:
             sys.stdout.flush()
             shown = s
 
+    record = record_path({"family": model.family.name, "config": config_to_dict(model.config), "batch": 1,
+                          "dtype": str(params["model.embed_tokens.weight"].dtype), "device": device.type,
+                          "bucket": cache_bucket(len(ids) + cfg.max_new_tokens, model.config.max_position_embeddings),
+                          "threads": torch.get_num_threads(), "torch": torch.__version__})
+    compiled = _pick_compile(cfg, record)
+    timings: dict[str, float] = {}
     generate(model, params, torch.tensor([ids], device=device), cfg.max_new_tokens, sampling=sampling,
-             eos_token_id=text.eos_ids, seed=cfg.seed, on_token=stream, compile=cfg.compile)
+             eos_token_id=text.eos_ids, seed=cfg.seed, on_token=stream, compile=compiled, timings=timings)
     final = text.tokenizer.decode(new, skip_special_tokens=True)
     sys.stdout.write(final[len(shown):] + "\n")
     sys.stdout.flush()
+    if compiled:
+        update_record(record, compiled_step_s=timings.get("step_s"), first_compiled_step_s=timings.get("first_step_s"))
+    else:
+        update_record(record, eager_step_s=timings.get("step_s"))
     return final
+
+
+def _pick_compile(cfg: GenerateConfig, record) -> bool:
+    """``--compile on/off`` as given; ``auto`` compiles when this machine's recorded timings of
+    this model (:mod:`mff.decode_timing`) put the break-even below the decode steps asked for,
+    and says on stderr which it picked and why."""
+    if cfg.compile != "auto":
+        return cfg.compile == "on"
+    steps = max(0, cfg.max_new_tokens - 1)  # the first new token comes from the prefill
+    be = break_even_tokens(read_record(record))
+    if be is None:
+        print("decode: eager (--compile auto: compiled decoding of this model is not timed on this machine yet; "
+              "--compile on times it)", file=sys.stderr)
+        return False
+    use = steps > be
+    why = ("the compiled step was not faster here" if be == float("inf")
+           else f"compiling pays back above {be:.0f} decode steps here; this call decodes up to {steps}")
+    print(f"decode: {'compiled' if use else 'eager'} (--compile auto: {why})", file=sys.stderr)
+    return use
 
 
 def main(argv: list[str] | None = None) -> int:
