@@ -69,7 +69,10 @@ def update_record(path: Path, eager_step_s: float | None = None, compiled_step_s
         tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     return rec
 
 

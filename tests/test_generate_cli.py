@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mff
-from tests.cli_util import ROOT, make_corpus, run_cli
+from tests.cli_util import ROOT, cli_env, make_corpus, run_cli
 
 
 def _gen(*args):
@@ -70,3 +70,32 @@ def test_bad_input(run_dir, args, needle):
 def test_missing_checkpoint(tmp_path):
     r = _gen("--ckpt", tmp_path / "nope", "--prompt", "a")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def _generate(ckpt, tmp_path, *extra):
+    env = cli_env(tmp_path / "cache")
+    return subprocess.run([sys.executable, "-m", "mff.recipes.generate", "--ckpt", str(ckpt), "--prompt", "hello world",
+                           "--threads", "1", *extra], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+
+
+def test_compile_auto_decodes_eagerly_until_timed_then_follows_the_break_even(run_dir, tmp_path):
+    """--compile auto: eager while this machine has not timed both ways (and the eager timing is
+    recorded), then compiled only past the recorded break-even; --compile on is obeyed."""
+    from mff.decode_timing import read_record
+
+    run = run_dir
+    r = _generate(run, tmp_path, "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert "decode: eager (--compile auto: compiled decoding of this model is not timed on this machine yet" in r.stderr
+    (rec_file,) = (tmp_path / "cache" / "decode-timing").iterdir()
+    assert set(read_record(rec_file)) == {"eager_step_s"}
+    # pretend this machine timed both ways: 1 s to compile, 0.01 s saved per step -> break-even 100 steps
+    rec_file.write_text('{"eager_step_s": 0.02, "compiled_step_s": 0.01, "first_compiled_step_s": 1.0}')
+    r = _generate(run, tmp_path, "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert "decode: eager (--compile auto: compiling pays back above 100 decode steps here; this call decodes up to 5)" in r.stderr
+    eager_text = r.stdout
+    r = _generate(run, tmp_path, "--max-new-tokens", "6", "--compile", "on")
+    assert r.returncode == 0, r.stderr
+    assert "decode:" not in r.stderr and r.stdout == eager_text  # forced: no note, the same tokens
+    assert set(read_record(rec_file)) == {"eager_step_s", "compiled_step_s", "first_compiled_step_s"}

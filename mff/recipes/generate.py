@@ -154,13 +154,15 @@ def run(cfg: GenerateConfig) -> str:
                           "dtype": str(params["model.embed_tokens.weight"].dtype), "device": device.type,
                           "bucket": cache_bucket(len(ids) + cfg.max_new_tokens, model.config.max_position_embeddings),
                           "threads": torch.get_num_threads(), "torch": torch.__version__})
-    compiled = _pick_compile(cfg, record)
+    compiled, note = _pick_compile(cfg, record)
     timings: dict[str, float] = {}
     generate(model, params, torch.tensor([ids], device=device), cfg.max_new_tokens, sampling=sampling,
              eos_token_id=text.eos_ids, seed=cfg.seed, on_token=stream, compile=compiled, timings=timings)
     final = text.tokenizer.decode(new, skip_special_tokens=True)
     sys.stdout.write(final[len(shown):] + "\n")
     sys.stdout.flush()
+    if note:
+        print(note, file=sys.stderr)
     if compiled:
         update_record(record, compiled_step_s=timings.get("step_s"), first_compiled_step_s=timings.get("first_step_s"))
     else:
@@ -168,23 +170,22 @@ def run(cfg: GenerateConfig) -> str:
     return final
 
 
-def _pick_compile(cfg: GenerateConfig, record) -> bool:
-    """``--compile on/off`` as given; ``auto`` compiles when this machine's recorded timings of
-    this model (:mod:`mff.decode_timing`) put the break-even below the decode steps asked for,
-    and says on stderr which it picked and why."""
+def _pick_compile(cfg: GenerateConfig, record) -> tuple[bool, str]:
+    """``(compile?, note)``: ``--compile on/off`` as given (no note); ``auto`` compiles when this
+    machine's recorded timings of this model (:mod:`mff.decode_timing`) put the break-even below
+    the decode steps asked for, and the note (printed on stderr after the text) says which it
+    picked and why."""
     if cfg.compile != "auto":
-        return cfg.compile == "on"
+        return cfg.compile == "on", ""
     steps = max(0, cfg.max_new_tokens - 1)  # the first new token comes from the prefill
     be = break_even_tokens(read_record(record))
     if be is None:
-        print("decode: eager (--compile auto: compiled decoding of this model is not timed on this machine yet; "
-              "--compile on times it)", file=sys.stderr)
-        return False
+        return False, ("decode: eager (--compile auto: compiled decoding of this model is not timed on this machine yet; "
+                       "--compile on times it)")
     use = steps > be
     why = ("the compiled step was not faster here" if be == float("inf")
            else f"compiling pays back above {be:.0f} decode steps here; this call decodes up to {steps}")
-    print(f"decode: {'compiled' if use else 'eager'} (--compile auto: {why})", file=sys.stderr)
-    return use
+    return use, f"decode: {'compiled' if use else 'eager'} (--compile auto: {why})"
 
 
 def main(argv: list[str] | None = None) -> int:
