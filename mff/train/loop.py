@@ -270,7 +270,8 @@ def _remeasure_peak(run: Loop, log: RunLog, step: int, tps: float) -> float:
 
 def train_loop(run: Loop) -> int:
     """Steps ``run.start + 1 .. min(--steps, --stop-after)``; returns the exit code (0, or 128 +
-    the signal when SIGTERM stopped it after a checkpoint).
+    the signal when SIGTERM or Ctrl-C (SIGINT) stopped it: the step in progress is finished
+    and saved; a second Ctrl-C leaves at once, without it, as KeyboardInterrupt).
 
     Raises:
         NonFiniteError: a non-finite loss, grad norm or param (nothing is saved for that step;
@@ -281,7 +282,35 @@ def train_loop(run: Loop) -> int:
     print_run_plan(cfg, run)
     log = RunLog(cfg.metrics_file, total=cfg.steps, initial=run.start, tensorboard=cfg.metrics.tensorboard)
     stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.__setitem__("signal", signum))
+
+    def on_signal(signum, frame):
+        if stop["signal"] is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: leave now, without the checkpoint
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _steps(run, cfg, end, log, stop)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_signal(stop: dict, world_size: int, device: torch.device) -> int | None:
+    """The signal that stops the run after this step, agreed by every rank (a signal may reach
+    the ranks on either side of a step's end; without agreeing, one rank would save while the
+    others went on into the next step's collectives)."""
+    if world_size <= 1:
+        return stop["signal"]
+    import torch.distributed as dist
+
+    flag = torch.tensor([stop["signal"] or 0], dtype=torch.int64, device=device)
+    with collective("stop-signal check"):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag) or None
+
+
+def _steps(run: Loop, cfg: TrainConfig, end: int, log: RunLog, stop: dict) -> int:
     tokens_seen = run.tokens_seen
 
     def save(step: int) -> None:
@@ -325,12 +354,14 @@ def train_loop(run: Loop) -> int:
                     rec["val_loss"] = eval_loss(run.model, run.params, [{k: v.to(run.device) for k, v in b.items()} for b in run.val_batches],
                                                 cfg.precision)
             log.step(rec, run.val_entropy)
-            if step == end or (cfg.save_every and step % cfg.save_every == 0) or stop["signal"]:
+            signum = _stop_signal(stop, run.world_size, run.device)
+            if step == end or (cfg.save_every and step % cfg.save_every == 0) or signum:
                 save(step)
-            if stop["signal"]:
-                log.write(f"signal {stop['signal']}: checkpoint saved at step {step}; rerun the same command to resume")
+            if signum:
+                log.write(f"{signal.Signals(signum).name}: checkpoint saved at step {step} in {cfg.ckpt_dir}; "
+                          "rerun the same command to resume")
                 log.close()
-                return 128 + int(stop["signal"])
+                return 128 + signum
     except NonFiniteError as e:
         log.close()
         last = ckpt.latest_step_dir(cfg.ckpt_dir)
