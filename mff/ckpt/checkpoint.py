@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -272,11 +273,19 @@ def _prepare_tmp(root: Path, final: Path) -> Path:
     return tmp
 
 
+def _previous(root: Path) -> str:
+    last = latest_step_dir(root)
+    return f"the last checkpoint, {last.name}, is unchanged" if last is not None else "no earlier checkpoint"
+
+
 def _write_pieces(tmp: Path, kind: str, pieces: dict[str, torch.Tensor], rank: int, world: int) -> None:
     if not pieces:
         return
     path = tmp / piece_file(kind, rank, world)
-    save_file(pieces, str(path), metadata={"format": "pt"})
+    try:
+        save_file(pieces, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:  # the library's wrapper of a failed write (disk full, file-size limit, I/O error)
+        raise OSError(f"{path.name}: {str(e).removeprefix('Error while serializing: ')}") from None
     os.chmod(path, 0o666 & ~_umask())  # safetensors creates its files 0600; make all files alike
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
@@ -356,7 +365,8 @@ def save(
         for kind, items in groups.items():
             _write_pieces(tmp, kind, _pieces_of_rank(items, rank), rank, world)
     except OSError as e:
-        err = CheckpointError(f"cannot write shard files to {tmp}: {e.strerror or e}")
+        err = CheckpointError(f"cannot write shard files to {tmp}: {e.strerror or e} (the temp folder is removed; "
+                              f"{_previous(root)})")
     try:
         _agree(err, f"writing the shard files of step {step}")
     except CheckpointError:

@@ -49,6 +49,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tenso
 
     Raises:
         ValueError: a dtype safetensors cannot store, or a non-string metadata value.
+        OSError: the write failed (the partial temp file is removed; ``path`` is untouched).
     """
     path = Path(path)
     header: dict = {}
@@ -67,16 +68,20 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tenso
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            t = t.detach().to("cpu")
-            if t.numel():
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for t in tensors.values():
+                t = t.detach().to("cpu")
+                if t.numel():
+                    f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (disk full, file-size limit, Ctrl-C) leaves no partial file
+        raise
     return 8 + len(raw) + offset
 
 

@@ -1,0 +1,36 @@
+"""Faults during a run (issue 20): a checkpoint write that fails half-way is one line naming the
+file and the OS error, leaves no temp folder, and keeps every earlier checkpoint byte-identical."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+
+from tests.cli_util import ROOT, cli_env, make_corpus, tiny_args, tree_digest
+
+
+def test_a_save_that_hits_the_file_size_limit_is_one_line_and_leaves_the_previous_checkpoint(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus", 20)
+    run = tmp_path / "run"
+    base = [sys.executable, "-m", "mff.recipes.pretrain", *tiny_args(corpus), "--save-every", "2", "--ckpt-dir", str(run)]
+    r = subprocess.run([*base, "--steps", "4"], capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    before = tree_digest(run)
+    largest = max(p.stat().st_size for p in (run / "step_00000004").iterdir())
+    limit = largest - 1000  # the optimizer file of the next checkpoint cannot be written whole
+
+    def cap_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run([*base, "--steps", "6"], capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT,
+                       preexec_fn=cap_file_size)
+    assert r.returncode == 1, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "File too large" in lines[0] and ".safetensors" in lines[0] and "step_00000004, is unchanged" in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+    after = tree_digest(run)
+    assert not [p for p in run.iterdir() if p.name.startswith(".tmp")]
+    assert {k: v for k, v in after.items() if "step_00000004" in k} == {k: v for k, v in before.items() if "step_00000004" in k}
+    assert (run / "latest").read_text().strip() == "step_00000004"
