@@ -34,3 +34,31 @@ def test_a_save_that_hits_the_file_size_limit_is_one_line_and_leaves_the_previou
     assert not [p for p in run.iterdir() if p.name.startswith(".tmp")]
     assert {k: v for k, v in after.items() if "step_00000004" in k} == {k: v for k, v in before.items() if "step_00000004" in k}
     assert (run / "latest").read_text().strip() == "step_00000004"
+
+
+def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path):
+    """A checkpoint whose weights hold NaN or inf is refused on load (mff.load, and the CLI as one
+    line naming the tensor); allow_non_finite=True loads it anyway."""
+    import pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import mff
+
+    model = mff.build("qwen3", size="tiny")
+    params = model.init(seed=0)
+    folder = tmp_path / "hf"
+    mff.save_hf(model, params, folder)
+    weights = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name][3, :5] = float("nan")
+    weights[name][0, 0] = float("inf")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"tensor {name} holds NaN or inf \(6 of"):
+        mff.load(folder)
+    _, loaded = mff.load(folder, allow_non_finite=True)
+    assert torch.isnan(loaded[name]).sum() == 5
+    r = subprocess.run([sys.executable, "-m", "mff.recipes.generate", "--ckpt", str(folder), "--prompt", "x", "--compile", "off"],
+                       capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and name in lines[0] and "NaN or inf" in lines[0], r.stderr

@@ -145,7 +145,8 @@ def merge_adapter(model: Model, params: Mapping[str, torch.Tensor], adapter: str
 
 
 def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32,
-               adapter: str | os.PathLike | None = None, merged: bool = True) -> tuple[Model, dict[str, torch.Tensor]]:
+               adapter: str | os.PathLike | None = None, merged: bool = True,
+               allow_non_finite: bool = False) -> tuple[Model, dict[str, torch.Tensor]]:
     """Load any checkpoint mff reads, with LoRA adapters: ``model, params = mff.load(path)``.
 
     Args:
@@ -156,6 +157,8 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
         adapter: a PEFT adapter folder or an mff LoRA run to apply on top of ``path``.
         merged: True (default) merges the adapters into the weights and returns the plain
             model; False returns ``(model.with_lora(spec), {**base params, **adapters})``.
+        allow_non_finite: load base weights that hold NaN or inf (refused by default, naming
+            the tensor).
     Raises:
         As :func:`mff.ckpt.autoload.load` and :func:`read_adapter`; CheckpointError when a
         LoRA run's base is gone or is not the base it was trained on.
@@ -171,14 +174,14 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
             raise CheckpointError(f"{path} holds LoRA adapters of the base {base_path!r}, which does not exist here; put the base back "
                                   f"at that path, or load a copy of it with mff.load(BASE, adapter={str(path)!r}) (convert --src BASE "
                                   f"--adapter {path}); convert --src {path} --to peft needs no base")
-        model, params = load_base(base_path, device, dtype)
+        model, params = load_base(base_path, device, dtype, allow_non_finite)
         spec, adapters, _ = _run_adapters(path, model)
         want = meta["base"].get("fingerprint")
         if want is not None and base_fingerprint(params) != want:
             raise CheckpointError(f"{path} was trained on another version of its base {base_path} (its weights changed since); "
                                   f"to apply the adapters to it anyway: mff.load({str(base_path)!r}, adapter={str(path)!r})")
     else:
-        model, params = load_base(path, device, dtype)
+        model, params = load_base(path, device, dtype, allow_non_finite)
         if adapter is None:
             return model, params
         spec, adapters = read_adapter(adapter, model)
