@@ -7,6 +7,8 @@ import resource
 import subprocess
 import sys
 
+import pytest
+
 from tests.cli_util import ROOT, cli_env, make_corpus, tiny_args, tree_digest
 
 
@@ -39,7 +41,6 @@ def test_a_save_that_hits_the_file_size_limit_is_one_line_and_leaves_the_previou
 def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path):
     """A checkpoint whose weights hold NaN or inf is refused on load (mff.load, and the CLI as one
     line naming the tensor); allow_non_finite=True loads it anyway."""
-    import pytest
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -62,3 +63,38 @@ def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path):
                        capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT)
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and name in lines[0] and "NaN or inf" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("file,content,needle", [
+    ("tokenizer_config.json", b'{"eos_token": "</s>",', "tokenizer_config.json is not valid JSON"),
+    ("tokenizer_config.json", b'{"eos_token": "\xff\xfe"}', "tokenizer_config.json is not UTF-8 text (byte 15"),
+    ("tokenizer_config.json", b'["eos"]', "tokenizer_config.json must hold a JSON object, got a list"),
+    ("tokenizer_config.json", b'{"eos_token": 5}', "tokenizer_config.json: eos_token is 5; expected the token's text"),
+    ("tokenizer_config.json", b'{"chat_template": {"a": 1}}', "tokenizer_config.json: chat_template is a dict"),
+    ("generation_config.json", b'{"eos_token_id": "two"}', "generation_config.json: eos_token_id is 'two'; expected a token id"),
+    ("generation_config.json", b'{"eos_token_id": [2, true]}', "generation_config.json: eos_token_id is [2, True]"),
+    ("config.json", None, "config.json: eos_token_id is 2.5"),
+])
+def test_bad_tokenizer_and_generation_configs_name_the_file_and_key(tmp_path, file, content, needle):
+    import json
+
+    import mff
+    from mff.ckpt.tokenizer_files import load_text_assets
+
+    model = mff.build("qwen3", size="tiny")
+    folder = tmp_path / "hf"
+    mff.save_hf(model, model.init(seed=0), folder)
+    if content is None:  # config.json: the eos id of an otherwise valid config
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 2.5}))
+        (folder / "generation_config.json").unlink(missing_ok=True)
+    else:
+        (folder / file).write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        load_text_assets(folder)
+    assert needle in str(e.value) and str(folder) in str(e.value), str(e.value)
+    r = subprocess.run([sys.executable, "-m", "mff.recipes.generate", "--ckpt", str(folder), "--prompt", "x", "--compile", "off"],
+                       capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    cli_needle = "config.json: eos_token_id=2.5 must be an integer" if content is None else needle  # the model config's own check
+    assert r.returncode != 0 and len(lines) == 1 and cli_needle in lines[0] and "Traceback" not in r.stderr, r.stderr

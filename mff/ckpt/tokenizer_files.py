@@ -56,16 +56,25 @@ class TextAssets:
                 self.eos_ids.append(eid)
 
 
-def _special(value) -> str | None:
+def _special(value, where: str = "tokenizer_config.json", key: str = "token") -> str | None:
+    """A special token's text: a string, HF's AddedToken dict (its ``content``) or None.
+    Raises ValueError naming ``where`` and ``key`` for anything else."""
     if isinstance(value, dict):  # HF AddedToken serialisation
-        return value.get("content")
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where}: {key} is {value!r}; expected the token's text (a string)")
     return value
 
 
-def _as_list(x) -> list[int]:
+def _as_list(x, where: str = "config", key: str = "eos_token_id") -> list[int]:
+    """Token ids from an int, a list of ints or None. Raises ValueError naming ``where`` and
+    ``key`` for anything else (a string, a float, a bool)."""
     if x is None:
         return []
-    return [int(x)] if isinstance(x, int) else [int(i) for i in x]
+    items = list(x) if isinstance(x, (list, tuple)) else [x]
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in items):
+        raise ValueError(f"{where}: {key} is {x!r}; expected a token id (an int) or a list of them")
+    return items
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -95,10 +104,14 @@ def read_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 def _read_json(path: Path) -> dict:
     try:
-        d = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    return d if isinstance(d, dict) else {}
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(d).__name__}")
+    return d
 
 
 def _folder_assets(folder: Path, eos_ids: list[int]) -> TextAssets:
@@ -110,10 +123,15 @@ def _folder_assets(folder: Path, eos_ids: list[int]) -> TextAssets:
     if template is None and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
     if (folder / "generation_config.json").is_file():
-        eos_ids = _as_list(_read_json(folder / "generation_config.json").get("eos_token_id")) or eos_ids
+        gen = folder / "generation_config.json"
+        eos_ids = _as_list(_read_json(gen).get("eos_token_id"), str(gen)) or eos_ids
     tok = read_tokenizer(tok_file) if tok_file.is_file() else None
-    return TextAssets(tok, template, _special(tok_cfg.get("bos_token")), _special(tok_cfg.get("eos_token")), list(eos_ids),
-                      pad_token=_special(tok_cfg.get("pad_token")))
+    where = str(folder / "tokenizer_config.json")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{where}: chat_template is a {type(template).__name__}; expected the template text (a string)")
+    return TextAssets(tok, template, _special(tok_cfg.get("bos_token"), where, "bos_token"),
+                      _special(tok_cfg.get("eos_token"), where, "eos_token"), list(eos_ids),
+                      pad_token=_special(tok_cfg.get("pad_token"), where, "pad_token"))
 
 
 def _run_eod_id(tokenizer: Tokenizer, step: Path) -> int | None:
@@ -145,14 +163,14 @@ def load_text_assets(path: str | os.PathLike, gguf=None) -> TextAssets:
             from mff.ckpt.gguf import read_gguf
 
             gguf = read_gguf(p, with_tokenizer=True)
-        out = TextAssets(gguf.tokenizer, gguf.chat_template, gguf.bos_token, gguf.eos_token, _as_list(gguf.config.get("eos_token_id")))
+        out = TextAssets(gguf.tokenizer, gguf.chat_template, gguf.bos_token, gguf.eos_token, _as_list(gguf.config.get("eos_token_id"), str(p)))
         pad = gguf.config.get("pad_token_id")
         if gguf.tokenizer is not None and isinstance(pad, int):
             out.pad_token = gguf.tokenizer.id_to_token(pad)
     elif kind in ("hf", "mindspore"):
         folder = p if p.is_dir() else p.parent
         cfg = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
-        out = _folder_assets(folder, _as_list(cfg.get("eos_token_id")))
+        out = _folder_assets(folder, _as_list(cfg.get("eos_token_id"), str(folder / "config.json")))
     else:
         folder = tokenizer_folder(p)
         out = _folder_assets(folder, [])
