@@ -184,8 +184,12 @@ def test_bad_yaml_is_refused_clearly(tmp_path, capsys):
     with pytest.raises(ValueError, match="must hold a YAML mapping"):
         translate(str(tmp_path / "list.yaml"))
     (tmp_path / "bad.yaml").write_text("a: [1,\n")
-    with pytest.raises(ValueError, match="is not valid YAML"):
+    with pytest.raises(ValueError, match=r"bad.yaml:2:1: not valid YAML: expected the node content") as e:
         translate(str(tmp_path / "bad.yaml"))
+    assert "\n" not in str(e.value)  # one line, with the file, line and column
+    (tmp_path / "latin1.yaml").write_bytes(b"model:\n  name: \"caf\xe9\"\n")
+    with pytest.raises(ValueError, match=r"latin1.yaml is not UTF-8 text \(byte 19: invalid continuation byte\)"):
+        translate(str(tmp_path / "latin1.yaml"))
 
     def variant(name, edit):
         tree = json.loads(json.dumps(base))

@@ -185,9 +185,16 @@ def _load(path: str) -> _Tree:
     if not p.is_file():
         raise FileNotFoundError(f"{FLAG}: {path} does not exist" if not p.exists() else f"{FLAG}: {path} is not a file")
     try:
-        tree = yaml.safe_load(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{FLAG}: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    try:
+        tree = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ValueError(f"{FLAG}: {path} is not valid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
+        raise ValueError(f"{FLAG}: {where}: not valid YAML: {what}") from None
     if not isinstance(tree, dict):
         raise ValueError(f"{FLAG}: {path} must hold a YAML mapping (a MindFormers run config), got {type(tree).__name__}")
     return _Tree(tree, str(path))
@@ -230,8 +237,8 @@ def _pretrained_config(t: _Tree) -> dict:
         return {}
     t.used.add("pretrained_model_dir")
     try:
-        out = json.loads(cfg.read_text())
-    except ValueError as e:
+        out = json.loads(cfg.read_bytes().decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError is a ValueError too
         raise ValueError(f"{t.where}: pretrained_model_dir: {cfg} is not valid JSON ({e})") from None
     return out if isinstance(out, dict) else {}
 
