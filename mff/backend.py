@@ -31,6 +31,7 @@ import torch.distributed as dist
 from mff.parallel.watchdog import set_timeout
 
 __all__ = [
+    "available_memory_gib",
     "DEVICES",
     "DeviceUnavailable",
     "DistInfo",
@@ -347,3 +348,19 @@ def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, 
     ops.grouped_mm = grouped_mm_fused if use_fused else grouped_mm_loop
     ops.names = {"rms_norm": "torch", "grouped_mm": "torch._grouped_mm" if use_fused else "loop"}
     return ops
+
+
+def available_memory_gib(device: torch.device) -> float | None:
+    """Free memory of ``device`` in GiB: ``MemAvailable`` of /proc/meminfo on CPU (Linux),
+    ``mem_get_info`` on CUDA/NPU; None when it cannot be read."""
+    try:
+        if device.type == "cpu":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024 / 1024**3
+            return None
+        mod = torch.cuda if device.type == "cuda" else getattr(torch, device.type)
+        return mod.mem_get_info(device)[0] / 1024**3
+    except Exception:
+        return None

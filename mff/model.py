@@ -24,7 +24,8 @@ from mff.nn.lora import adapter_path, attach_lora, skeleton_path
 from mff.parallel.sharding import DEFAULT_AXIS_MAP, AxisMap, ShardingTable, shard_params
 from mff.tree import first_match, matches
 
-__all__ = ["Output", "Family", "Model", "LoRASpec", "BATCH_KEYS", "path_seed", "is_adapter_path"]
+__all__ = ["Output", "Family", "Model", "LoRASpec", "BATCH_KEYS", "path_seed", "is_adapter_path", "estimate_param_count",
+           "check_model_fits"]
 
 BATCH_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "attention_mask")
 
@@ -452,3 +453,47 @@ class Model:
             raise ValueError(f"the model carries LoRA adapters but params lack {len(missing)} of them, e.g. {missing[:3]}; pass "
                              "the adapters with the base params ({**params, **adapters})")
         return out
+
+
+def _skeleton_params(family: Family, config: Any) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in family.skeleton(config).parameters())
+
+
+def estimate_param_count(family: Family, config: Any) -> int:
+    """Params of ``family``/``config`` without building the whole skeleton: skeletons of 4 and 5
+    layers (meta tensors) give the embeddings, head, MTP and the size of one more layer, which
+    is extrapolated to ``num_hidden_layers`` (exact when every layer past the fourth has the
+    same shape, as in every supported family; a config of at most 5 layers is counted whole).
+    Milliseconds, whatever the config claims."""
+    import dataclasses
+
+    if hasattr(config, "validate"):
+        config.validate()
+    L = int(config.num_hidden_layers)
+    if L <= 5 or not dataclasses.is_dataclass(config):
+        return _skeleton_params(family, config)
+    p4 = _skeleton_params(family, dataclasses.replace(config, num_hidden_layers=4))
+    p5 = _skeleton_params(family, dataclasses.replace(config, num_hidden_layers=5))
+    return p5 + (L - 5) * (p5 - p4)
+
+
+def check_model_fits(family: Family, config: Any, device: torch.device | str, dtype: torch.dtype | None, where: str) -> None:
+    """Refuse a config whose params alone would not fit in the free memory of ``device``
+    (checked before the skeleton is built or a tensor read: a config.json claiming a million
+    layers fails in milliseconds, naming its sizes).
+
+    Raises:
+        ValueError: the estimate (:func:`estimate_param_count` x the bytes of ``dtype``, 4 for
+            None) exceeds the free memory.
+    """
+    from mff.backend import available_memory_gib
+
+    n = estimate_param_count(family, config)
+    need = n * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 4) / 1024**3
+    free = available_memory_gib(torch.device(device))
+    if free is not None and need > free:
+        sizes = ", ".join(f"{k} {getattr(config, k)}" for k in ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size",
+                                                              "n_routed_experts", "num_experts") if hasattr(config, k))
+        raise ValueError(f"{where}: the config ({sizes}) makes {n:,} params, {need:,.1f} GiB in "
+                         f"{str(dtype or torch.float32).replace('torch.', '')}, more than the {free:,.1f} GiB free on {device}")

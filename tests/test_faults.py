@@ -98,3 +98,38 @@ def test_bad_tokenizer_and_generation_configs_name_the_file_and_key(tmp_path, fi
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     cli_needle = "config.json: eos_token_id=2.5 must be an integer" if content is None else needle  # the model config's own check
     assert r.returncode != 0 and len(lines) == 1 and cli_needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("family", ["deepseek3", "telechat3", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "llama"])
+def test_the_param_estimate_is_exact(family):
+    import dataclasses
+    import math
+
+    import mff
+    from mff.model import Model, estimate_param_count
+
+    model = mff.build(family, size="tiny")
+    for layers in (2, 7):
+        cfg = dataclasses.replace(model.config, num_hidden_layers=layers)
+        assert estimate_param_count(model.family, cfg) == sum(math.prod(s) for s in Model(model.family, cfg).param_shapes().values())
+
+
+def test_a_config_too_big_for_memory_is_refused_before_anything_is_built(tmp_path):
+    """config.json claiming a million layers: refused in well under a second (building its
+    skeleton alone took minutes), naming the sizes, the param count and the memory."""
+    import json
+
+    import mff
+
+    model = mff.build("qwen3", size="tiny")
+    folder = tmp_path / "hf"
+    mff.save_hf(model, model.init(seed=0), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1_000_000}))
+    with pytest.raises(ValueError, match=r"num_hidden_layers 1000000.* params, .* GiB in float32, more than the .* GiB free on cpu"):
+        mff.load(folder)
+    r = subprocess.run([sys.executable, "-m", "mff.recipes.convert", "--src", str(folder), "--dst", str(tmp_path / "out"), "--to", "mff"],
+                       capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "num_hidden_layers 1000000" in lines[0], r.stderr
+    assert not (tmp_path / "out").exists()

@@ -35,7 +35,7 @@ import torch
 from mff.ckpt import fp8
 from mff.ckpt.safetensors_io import SafetensorsFolder, write_sharded
 from mff.ckpt.staging import staged_folder
-from mff.model import Family, Model
+from mff.model import Family, Model, check_model_fits
 from mff.models import family_for_model_type
 
 if TYPE_CHECKING:
@@ -188,6 +188,7 @@ def load_hf_tensors(
             tensors the model does not have (listed), only some of the MTP layers, FP8 weights
             without a quantization_config.
     """
+    check_model_fits(family, config, device, dtype, where)  # before anything is built or read
     src = source if hasattr(source, "shards") else _DictSource(source)  # a folder-like source, or a plain Mapping
     available = set(src.names)
     hf_config = hf_config or {}

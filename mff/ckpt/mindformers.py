@@ -40,7 +40,7 @@ from mff.ckpt.mindformers_names import LegacyLayout, McoreLayout, MFTensor, lega
 from mff.ckpt.mindformers_source import MindFormersSource, layout_switches, open_source, read_model_config
 from mff.ckpt.mindspore import write_ckpt
 from mff.ckpt.safetensors_io import parse_size, write_safetensors
-from mff.model import Family, Model
+from mff.model import Family, Model, check_model_fits
 
 __all__ = [
     "MindFormersCheckpointError", "MindFormersCheckpoint", "load_mindformers", "mindformers_tensors", "save_mindformers",
@@ -211,6 +211,7 @@ def load_mindformers(
     legacy = isinstance(layout, LegacyLayout)
     notices: list[str] = []
     config = _adjust_config(family, config, source, weights, legacy, where, notices)
+    check_model_fits(family, config, device, dtype, where)
     model = Model(family, config)
     table = {e.name: e for e in mindformers_tensors(model, layout)}
     weights = _check_weights(model, table, source, weights, legacy, notices)

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from mff.backend import available_memory_gib  # noqa: F401  (re-exported: the recipes' memory check)
+
 __all__ = ["PEAK_FLOPS", "measure_matmul_flops", "device_peak_flops", "mfu", "memory_estimate_gib", "available_memory_gib"]
 
 PEAK_FLOPS = {
@@ -99,19 +101,3 @@ def memory_estimate_gib(
     }
     out["total"] = sum(out.values())
     return out
-
-
-def available_memory_gib(device: torch.device) -> float | None:
-    """Free memory of ``device`` in GiB: ``MemAvailable`` of /proc/meminfo on CPU (Linux),
-    ``mem_get_info`` on CUDA/NPU; None when it cannot be read."""
-    try:
-        if device.type == "cpu":
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024 / 1024**3
-            return None
-        mod = torch.cuda if device.type == "cuda" else getattr(torch, device.type)
-        return mod.mem_get_info(device)[0] / 1024**3
-    except Exception:
-        return None
