@@ -41,14 +41,18 @@ def record_path(key: dict) -> Path:
 
 
 def read_record(path: Path) -> dict[str, float]:
-    """The recorded timings (seconds; a missing or unreadable record gives ``{}``: nothing known)."""
+    """The recorded timings (seconds; a missing or unreadable record, or one that is not a small
+    regular file, gives ``{}``: nothing known; values outside (1 ns, 1e5 s) are dropped)."""
     try:
+        if not path.is_file() or path.stat().st_size > 4096:  # a FIFO, a device, or not a record mff wrote
+            return {}
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(data, dict):
         return {}
-    return {k: float(v) for k, v in data.items() if k in _FIELDS and isinstance(v, (int, float)) and math.isfinite(v) and v > 0}
+    return {k: float(v) for k, v in data.items()
+            if k in _FIELDS and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 1e-9 < v < 1e5}
 
 
 def update_record(path: Path, eager_step_s: float | None = None, compiled_step_s: float | None = None,

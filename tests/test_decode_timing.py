@@ -38,3 +38,20 @@ def test_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
     monkeypatch.setenv("MFF_CACHE_DIR", str(blocker))  # a file where the folder should be
     path = record_path({"a": 1})
     assert update_record(path, eager_step_s=0.1) == {"eager_step_s": 0.1} and not path.exists()
+
+
+def test_hostile_records_count_as_unknown(tmp_path):
+    """A record nested past the JSON parser's recursion, a FIFO (would block), an oversized file
+    and figures a real run cannot produce (a bool, 1e300 s, 1e-308 s) are all ignored."""
+    import json
+    import os
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"eager_step_s": 0.1, "pad": "x" * 10_000}))
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"eager_step_s": True, "compiled_step_s": 1e-308, "first_compiled_step_s": 1e300}))
+    assert [read_record(p) for p in (deep, fifo, big, odd)] == [{}, {}, {}, {}]

@@ -133,3 +133,24 @@ def test_a_config_too_big_for_memory_is_refused_before_anything_is_built(tmp_pat
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "num_hidden_layers 1000000" in lines[0], r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_holding_nan_is_refused(tmp_path):
+    """The adapters of mff.load(base, adapter=...) are checked like the base weights."""
+    import torch
+
+    import mff
+    import mff.peft as mp
+
+    model = mff.build("qwen3", size="tiny")
+    mff.save_hf(model, model.init(seed=0), tmp_path / "base")
+    lm = mp.add_lora(model, r=4)
+    adapters = mp.init_adapters(lm)
+    name = next(k for k in adapters if k.endswith("lora_A"))
+    adapters[name] = adapters[name].clone()
+    adapters[name][0, 0] = float("nan")
+    mp.save_peft(lm, adapters, tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"adapter: tensor .* holds NaN or inf \(1 of"):
+        mff.load(tmp_path / "base", adapter=tmp_path / "adapter")
+    _, params = mff.load(tmp_path / "base", adapter=tmp_path / "adapter", allow_non_finite=True)
+    assert any(bool(torch.isnan(v).any()) for v in params.values())

@@ -187,6 +187,9 @@ def test_bad_yaml_is_refused_clearly(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"bad.yaml:2:1: not valid YAML: expected the node content") as e:
         translate(str(tmp_path / "bad.yaml"))
     assert "\n" not in str(e.value)  # one line, with the file, line and column
+    (tmp_path / "deep.yaml").write_text("a: " + "[" * 100_000)
+    with pytest.raises(ValueError, match=r"deep.yaml: not valid YAML: nested too deeply"):
+        translate(str(tmp_path / "deep.yaml"))
     (tmp_path / "latin1.yaml").write_bytes(b"model:\n  name: \"caf\xe9\"\n")
     with pytest.raises(ValueError, match=r"latin1.yaml is not UTF-8 text \(byte 19: invalid continuation byte\)"):
         translate(str(tmp_path / "latin1.yaml"))

@@ -367,6 +367,9 @@ def save(
     except OSError as e:
         err = CheckpointError(f"cannot write shard files to {tmp}: {e.strerror or e} (the temp folder is removed; "
                               f"{_previous(root)})")
+    except BaseException:  # Ctrl-C during the write: no half-written step folder stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         _agree(err, f"writing the shard files of step {step}")
     except CheckpointError:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mff.ckpt.autoload import checkpoint_kind, resolve_mff_step_dir
+from mff.ckpt.autoload import check_finite_weights, checkpoint_kind, resolve_mff_step_dir
 from mff.ckpt.autoload import load as load_base
 from mff.ckpt.checkpoint import CheckpointError, open_tensors, read_meta
 from mff.model import LoRASpec, Model
@@ -190,6 +190,8 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", dtyp
             if want is not None and base_fingerprint(params) != want:
                 print(f"note: {adapter} was trained on another base than {path} (the weights differ); applying its adapters anyway",
                       file=sys.stderr)
+    if not allow_non_finite:
+        check_finite_weights(adapters, str(adapter if adapter is not None else path))
     lm = model.with_lora(spec)
     missing = [t for t in spec.targets if t not in params]
     if missing:

@@ -190,6 +190,8 @@ def _load(path: str) -> _Tree:
         raise ValueError(f"{FLAG}: {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     try:
         tree = yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"{FLAG}: {path}: not valid YAML: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
