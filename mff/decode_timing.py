@@ -20,8 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
+
+from mff.ckpt.tokenizer_files import write_text_atomic
+from mff.data.config import DataConfig, resolve_cache_dir
 
 __all__ = ["record_path", "read_record", "update_record", "break_even_tokens"]
 
@@ -29,8 +31,7 @@ _FIELDS = ("eager_step_s", "compiled_step_s", "first_compiled_step_s")
 
 
 def _root() -> Path:
-    env = os.environ.get("MFF_CACHE_DIR")
-    return (Path(env) if env else Path.home() / ".cache" / "mff") / "decode-timing"
+    return Path(resolve_cache_dir(DataConfig())) / "decode-timing"  # the data cache's folder rule ($MFF_CACHE_DIR)
 
 
 def record_path(key: dict) -> Path:
@@ -67,16 +68,10 @@ def update_record(path: Path, eager_step_s: float | None = None, compiled_step_s
             rec[name] = value
     if first_compiled_step_s is not None and math.isfinite(first_compiled_step_s) and first_compiled_step_s > 0:
         rec["first_compiled_step_s"] = min(first_compiled_step_s, rec.get("first_compiled_step_s", math.inf))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(rec, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(rec, indent=1, sort_keys=True))
     except OSError:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        pass
     return rec
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mff.backend import available_memory_gib
 from mff.nn.blocks import BlockExecution
 from mff.nn.lora import adapter_path, attach_lora, skeleton_path
 from mff.parallel.sharding import DEFAULT_AXIS_MAP, AxisMap, ShardingTable, shard_params
@@ -487,8 +488,6 @@ def check_model_fits(family: Family, config: Any, device: torch.device | str, dt
         ValueError: the estimate (:func:`estimate_param_count` x the bytes of ``dtype``, 4 for
             None) exceeds the free memory.
     """
-    from mff.backend import available_memory_gib
-
     n = estimate_param_count(family, config)
     need = n * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 4) / 1024**3
     free = available_memory_gib(torch.device(device))

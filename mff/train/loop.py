@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mff import ckpt
+from mff.backend import available_memory_gib
 from mff.ckpt.tokenizer_files import write_text_atomic
 from mff.data import split_microbatches
 from mff.model import Model
@@ -36,7 +37,7 @@ from mff.parallel.summary import placement_table
 from mff.parallel.watchdog import collective
 from mff.train.config import TrainConfig
 from mff.train.log import RunLog, is_rank0, print0
-from mff.train.metrics import available_memory_gib, measure_matmul_flops, memory_estimate_gib, mfu
+from mff.train.metrics import measure_matmul_flops, memory_estimate_gib, mfu
 from mff.train.precision import PRECISIONS, param_dtype
 from mff.train.state import check_resume_config, check_resume_recipe, restore_rng, rng_state
 from mff.train.step import NonFiniteError, check_finite, eval_loss, train_step

@@ -12,9 +12,7 @@ import time
 
 import torch
 
-from mff.backend import available_memory_gib  # noqa: F401  (re-exported: the recipes' memory check)
-
-__all__ = ["PEAK_FLOPS", "measure_matmul_flops", "device_peak_flops", "mfu", "memory_estimate_gib", "available_memory_gib"]
+__all__ = ["PEAK_FLOPS", "measure_matmul_flops", "device_peak_flops", "mfu", "memory_estimate_gib"]
 
 PEAK_FLOPS = {
     # device-name substring -> dense bf16 FLOP/s (vendor data sheets)
