@@ -479,20 +479,23 @@ def estimate_param_count(family: Family, config: Any) -> int:
     return p5 + (L - 5) * (p5 - p4)
 
 
-def check_model_fits(family: Family, config: Any, device: torch.device | str, dtype: torch.dtype | None, where: str) -> None:
+def check_model_fits(family: Family, config: Any, device: torch.device | str, dtype: torch.dtype | None, where: str,
+                     shards: int = 1) -> None:
     """Refuse a config whose params alone would not fit in the free memory of ``device``
     (checked before the skeleton is built or a tensor read: a config.json claiming a million
-    layers fails in milliseconds, naming its sizes).
+    layers fails in milliseconds, naming its sizes). ``shards``: the most ways the params can be
+    split over devices (the process count of a sharded run); each device holds a 1/shards part.
 
     Raises:
         ValueError: the estimate (:func:`estimate_param_count` x the bytes of ``dtype``, 4 for
-            None) exceeds the free memory.
+            None, / ``shards``) exceeds the free memory.
     """
     n = estimate_param_count(family, config)
-    need = n * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 4) / 1024**3
+    need = n * (torch.empty((), dtype=dtype).element_size() if dtype is not None else 4) / 1024**3 / max(1, shards)
     free = available_memory_gib(torch.device(device))
     if free is not None and need > free:
         sizes = ", ".join(f"{k} {getattr(config, k)}" for k in ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size",
                                                               "n_routed_experts", "num_experts") if hasattr(config, k))
-        raise ValueError(f"{where}: the config ({sizes}) makes {n:,} params, {need:,.1f} GiB in "
+        part = f" (1/{shards} of them per device)" if shards > 1 else ""
+        raise ValueError(f"{where}: the config ({sizes}) makes {n:,} params, {need:,.1f} GiB{part} in "
                          f"{str(dtype or torch.float32).replace('torch.', '')}, more than the {free:,.1f} GiB free on {device}")

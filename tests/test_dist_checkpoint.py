@@ -195,7 +195,7 @@ def test_dtensors_saved_on_one_mesh_load_onto_another(tmp_path):
 
 
 def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [rec for rec in map(json.loads, path.read_text().splitlines()) if "event" not in rec]  # without resume markers
 
 
 def _close(a: list[dict], b: list[dict]) -> None:

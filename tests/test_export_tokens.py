@@ -214,9 +214,9 @@ def test_generate_chat_template_file(pretrain_run, tmp_path, capsys):
     error(["--chat", "--chat-template", tmp_path / "nope.jinja"], "nope.jinja does not exist")
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}")
-    error(["--chat", "--chat-template", bad], f"--chat-template {bad}: TemplateSyntaxError")
+    error(["--chat", "--chat-template", bad], f"--chat-template {bad} does not parse (line 1)")
     bad.write_text("{{ raise_exception('rendered from the file: ' + messages[0]['content']) }}")  # the file is what renders
     error(["--chat", "--chat-template", bad], "rendered from the file: a")
     for body, kind in (("{{ 1 / 0 }}", "ZeroDivisionError"), ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError")):
         bad.write_text(body)  # what the template's own expressions raise is a one-line error too
-        error(["--chat", "--chat-template", bad], f"--chat-template {bad}: {kind}")
+        error(["--chat", "--chat-template", bad], f"--chat-template {bad} fails: {kind}")

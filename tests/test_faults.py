@@ -73,6 +73,9 @@ def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path):
     ("tokenizer_config.json", b'{"chat_template": {"a": 1}}', "tokenizer_config.json: chat_template is a dict"),
     ("generation_config.json", b'{"eos_token_id": "two"}', "generation_config.json: eos_token_id is 'two'; expected a token id"),
     ("generation_config.json", b'{"eos_token_id": [2, true]}', "generation_config.json: eos_token_id is [2, True]"),
+    ("generation_config.json", b'{"eos_token_id": 1180591620717411303424}',
+     "generation_config.json: eos_token_id holds 1180591620717411303424; expected token ids in [0, 2**31)"),
+    ("generation_config.json", b'{"eos_token_id": [2, -1]}', "generation_config.json: eos_token_id holds -1"),
     ("config.json", None, "config.json: eos_token_id is 2.5"),
 ])
 def test_bad_tokenizer_and_generation_configs_name_the_file_and_key(tmp_path, file, content, needle):
@@ -133,6 +136,13 @@ def test_a_config_too_big_for_memory_is_refused_before_anything_is_built(tmp_pat
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and "num_hidden_layers 1000000" in lines[0], r.stderr
     assert not (tmp_path / "out").exists()
+    # pretrain's --model.* sizes are checked the same way, before the skeleton is built
+    r = subprocess.run([sys.executable, "-m", "mff.recipes.pretrain", "--model", "qwen3", "--model.num-hidden-layers", "1000000",
+                        "--model.hidden-size", "4096", "--steps", "1", "--ckpt-dir", str(tmp_path / "run"), "--threads", "1"],
+                       capture_output=True, text=True, env=cli_env(tmp_path / "cache"), cwd=ROOT, timeout=300)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --model: the config (num_hidden_layers 1000000"), r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_adapter_holding_nan_is_refused(tmp_path):

@@ -41,7 +41,8 @@ def _metrics(path: Path) -> dict[int, dict]:
     out = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec
+        if "event" not in rec:  # a resume marker
+            out[rec["step"]] = rec
     return out
 
 

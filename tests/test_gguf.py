@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mff.ckpt.gguf import is_gguf, read_gguf
-from mff.data.chat import render_chat_template
+from mff.data.chat import TemplateRenderError, render_chat_template
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -418,6 +418,21 @@ def test_truncated(tmp_path):
             read_gguf(part)
 
 
+def test_inserted_or_appended_bytes_are_refused(tmp_path):
+    full = tmp_path / "full.gguf"
+    write_gguf(full, hf_weights("llama"), quantize=Q8_NAMES)
+    data = full.read_bytes()
+    reader = gguf.GGUFReader(str(full))
+    assert len(data) % reader.alignment == 0 or len(data) == max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+    read_gguf(full)  # as written: fine
+    middle = (reader.data_offset + len(data)) // 2
+    for name, blob in (("inserted", data[:middle] + b"\0" * 64 + data[middle:]), ("appended", data + b"junk" * 100)):
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(blob)
+        with pytest.raises(ValueError, match=rf"{name}\.gguf: corrupt GGUF file: it has {len(blob)} bytes but its tensor layout ends at byte"):
+            read_gguf(bad)
+
+
 def test_unknown_tensors_missing_tensors_and_architecture(tmp_path):
     weights = hf_weights("llama")
     extra = {"rope_freqs.weight": np.ones(D // 2, np.float32), "blk.2.attn_q.weight": np.ones((4, 32), np.float32),
@@ -466,7 +481,6 @@ def test_render_chatml():
 
 
 def test_render_template_features():
-    import jinja2
 
     # trim_blocks / lstrip_blocks: the newline after a block tag and the indent before it vanish.
     template = "{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]\n    {% endif %}\n{% endfor %}{{ bos_token }}"
@@ -474,7 +488,7 @@ def test_render_template_features():
     assert render_chat_template("{{ messages | tojson }}", [{"role": "user", "content": "<é>"}]) == '[{"role": "user", "content": "<é>"}]'
     assert render_chat_template("{% generation %}{{ messages[0].content }}{% endgeneration %}", [{"role": "a", "content": "x"}]) == "x"
     assert len(render_chat_template("{{ strftime_now('%Y-%m-%d') }}", [])) == 10
-    with pytest.raises(jinja2.TemplateError, match="only user roles"):
+    with pytest.raises(TemplateRenderError, match="the chat template raised an error: only user roles"):
         render_chat_template("{{ raise_exception('only user roles') }}", [])
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(TemplateRenderError, match="forbids"):
         render_chat_template("{{ messages.__class__.__mro__ }}", [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -263,6 +264,28 @@ def test_broken_cache_entry_is_rebuilt(tmp_path):
     with open(paths["shuffle_index"], "wb") as fh:
         fh.write(b"garbage")
     assert GPTDataset(ix, np.arange(6), 3, cfg).shuffle_index.tolist() == MEGATRON_SIX[3][2]
+
+
+@pytest.mark.parametrize("name,change,reason", [
+    ("sample_index", lambda a: a.__setitem__((2, 0), 10**6), "sample starts outside"),
+    ("sample_index", lambda a: a.__setitem__((2, 1), 10**6), "sample offsets outside their documents"),
+    ("document_index", lambda a: a.__setitem__(0, 99), "document ids outside [0, 6)"),
+    ("shuffle_index", lambda a: a.__setitem__(0, a[1]), "a shuffle index that repeats samples"),
+    ("shuffle_index", lambda a: a.__setitem__(0, 10**6), "shuffle entries outside"),
+])
+def test_a_cache_with_out_of_range_values_is_rebuilt(tmp_path, name, change, reason):
+    ix = write_indexed(tmp_path / "c", _six_docs())
+    cfg = GPTDatasetConfig(seq_len=4)
+    good = GPTDataset(ix, np.arange(6), 3, cfg)
+    paths = good.cache_paths()
+    arr = np.load(paths[name]).copy()
+    change(arr)
+    np.save(paths[name], arr)  # same shape and dtype, values no index of this data can hold
+    with pytest.warns(UserWarning, match=r"do not fit the data \(" + re.escape(reason)):
+        again = GPTDataset(ix, np.arange(6), 3, cfg)
+    assert again.shuffle_index.tolist() == MEGATRON_SIX[3][2]
+    assert [again[i]["input_ids"].tolist() for i in range(len(again))] == [good[i]["input_ids"].tolist() for i in range(len(good))]
+    np.testing.assert_array_equal(np.load(paths[name]), getattr(good, name))  # the cache entry is written again
 
 
 def test_unwritable_cache_warns(tmp_path):

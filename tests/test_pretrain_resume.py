@@ -25,8 +25,9 @@ def setup(tmp_path_factory):
 
 
 def _records(path):
+    """The step records (a resumed run's ``{"event": "resume", ...}`` markers left out)."""
     keep = ("step", "loss", "lm_loss", "mtp_loss", "balance_loss", "lr", "grad_norm")
-    return [{k: rec[k] for k in keep} for rec in map(json.loads, path.read_text().splitlines())]
+    return [{k: rec[k] for k in keep} for rec in map(json.loads, path.read_text().splitlines()) if "event" not in rec]
 
 
 def _final(ckpt_dir, name):
@@ -73,6 +74,11 @@ def test_sigkill_after_checkpoint_then_rerun_is_bitwise_equal(setup):
     # the metrics file holds the killed run's steps, then the resumed run's from the checkpoint on
     k = int(killed_at.split("_")[1])
     assert _records(out / "m.jsonl")[-(STEPS - k):] == _records(ref / "m.jsonl")[k:]
+    # with a marker where the re-run starts: the steps after it replace the killed run's
+    lines = [json.loads(x) for x in (out / "m.jsonl").read_text().splitlines()]
+    marks = [i for i, rec in enumerate(lines) if rec.get("event") == "resume"]
+    assert len(marks) == 1 and lines[marks[0]]["resumed_from"] == str(out / killed_at) and lines[marks[0]]["next_step"] == k + 1
+    assert [rec["step"] for rec in lines[marks[0] + 1:]] == list(range(k + 1, STEPS + 1))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -62,6 +62,8 @@ def lock_dir(ckpt_dir: str | os.PathLike):
     root = Path(ckpt_dir)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint folder {root} exists and is not a folder")
+    if not root.exists():
+        _CREATED.append(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         handle = open(root / ".lock", "a+")
@@ -83,7 +85,28 @@ def lock_dir(ckpt_dir: str | os.PathLike):
     except OSError:
         handle.close()
         raise CheckpointError(f"checkpoint folder {root} is in use by another run (lock {root / '.lock'})") from None
+    remove_stale_tmp(root)  # what writers killed mid-save left
     return handle
+
+
+_CREATED: list[Path] = []
+"""Checkpoint folders :func:`lock_dir` created in this process."""
+_START_UP_FILES = ("run_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def discard_unused_dirs() -> None:
+    """Remove the checkpoint folders :func:`lock_dir` created in this process that hold only what
+    a run writes at start-up (``.lock``, ``run_config.json``, the tokenizer files): called when a
+    run fails before its first checkpoint, so that nothing is left behind. A folder holding
+    anything else (a step dir, ``latest``, a metrics file) is kept."""
+    while _CREATED:
+        root = _CREATED.pop()
+        try:
+            names = [p.name for p in root.iterdir()]
+        except OSError:
+            continue
+        if all(n == ".lock" or n in _START_UP_FILES or n.startswith(".probe-") for n in names):
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def step_dir_name(step: int) -> str:
@@ -153,11 +176,15 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _umask() -> int:
@@ -185,11 +212,15 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_tmp(root: Path, pattern: str = ".tmp-step_*-*") -> None:
-    """Delete ``root/<pattern>`` dirs (named ``...-PID``) left by writers that died (their PID is gone)."""
-    for p in root.glob(pattern):
+    """Delete ``root/<pattern>`` dirs (named ``...-PID``) left by writers that died (their PID is
+    gone), and the ``.latest.tmp-PID`` file of a ``latest`` update they did not finish."""
+    for p in [*root.glob(pattern), *root.glob(".latest.tmp-*")]:
         pid = p.name.rsplit("-", 1)[-1]
-        if p.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.is_file():
+                p.unlink(missing_ok=True)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -454,7 +485,21 @@ def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> di
     missing = [k for k in ("step", *required) if k not in meta]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}; it is incomplete or was written by another tool")
+    for key, kinds, what in _META_TYPES:
+        value = meta.get(key)
+        if key in meta and (not isinstance(value, kinds) or isinstance(value, bool) or (kinds == int and value < 0)):
+            raise CheckpointError(f"{path} is corrupt: {key} is {_short(value)}, expected {what}")
     return meta
+
+
+_META_TYPES = (("step", int, "a step number >= 0"), ("tokens_seen", int, "a token count >= 0"), ("family", str, "a model family name"),
+               ("recipe", str, "a recipe name"), ("config", dict, "the model config (a map)"), ("run", dict, "the run config (a map)"),
+               ("data", dict, "the data loader's position (a map)"), ("rng", dict, "the RNG states (a map)"))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def open_tensors(step_dir: str | os.PathLike, meta: Mapping[str, Any], kind: str) -> ShardedTensors:

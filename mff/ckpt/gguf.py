@@ -95,6 +95,27 @@ def is_gguf(path: str | os.PathLike) -> bool:
         return False
 
 
+def _check_layout(reader, file_size: int, path) -> None:
+    """The tensors' byte ranges do not overlap and the file ends where the last one does (after
+    its alignment padding, as GGUF writers pad every tensor): bytes inserted into or appended to
+    the data would otherwise shift or hide tensors silently.
+
+    Raises:
+        ValueError: naming the overlapping tensors, or the file size and where the layout ends.
+    """
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name) for t in reader.tensors)
+    for (_, end, name), (start, _, nxt) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{path}: corrupt GGUF file: tensor {nxt!r} starts at byte {start}, inside tensor {name!r} (ends at {end})")
+    if spans:
+        align = int(getattr(reader, "alignment", 32) or 32)
+        last = spans[-1][1]
+        padded = -(-last // align) * align
+        if not last <= file_size <= padded:
+            raise ValueError(f"{path}: corrupt GGUF file: it has {file_size} bytes but its tensor layout ends at byte {last} "
+                             f"(at most {padded} with padding); bytes were inserted or appended")
+
+
 def read_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, with_tokenizer: bool = True) -> GGUFCheckpoint:
     """Read a GGUF checkpoint into HF-named, dequantised tensors, an HF config and a tokenizer.
 
@@ -141,6 +162,7 @@ def read_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, with_
         if end > file_size:
             raise ValueError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {end}, the file has {file_size} bytes")
         by_name[t.name] = t
+    _check_layout(reader, file_size, path)
 
     config = _config(meta, arch, by_name, path)
     hf_names = _map_names(arch, config, list(by_name), path)

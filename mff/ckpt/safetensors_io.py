@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mff.paths import file_kind
+
 __all__ = ["DTYPE_CODES", "write_safetensors", "write_sharded", "SafetensorsFolder", "parse_size", "read_weight_map", "check_weight_map"]
 
 DTYPE_CODES = {
@@ -212,10 +214,13 @@ class SafetensorsFolder:
         index = self.folder / f"{prefix}.safetensors.index.json"
         if single.is_file():  # as transformers: the single file wins over an index
             return [single.name], None, None
+        for p in (single, index):
+            if p.exists() and not p.is_file():
+                raise ValueError(f"{p} is {file_kind(p)}, not a file")
         if index.is_file():
             weight_map = read_weight_map(index)
             return sorted(set(weight_map.values())), weight_map, index.name
-        present = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        present = sorted(p.name for p in self.folder.glob("*.safetensors") if p.is_file())
         raise FileNotFoundError(f"{self.folder} has no {single.name} and no {index.name}"
                                 + (f" (safetensors files present: {present})" if present else ""))
 
@@ -292,3 +297,4 @@ class _CheckedHandle:
             return self._h.get_tensor(name)
         except Exception as e:
             raise ValueError(f"{self._path}: cannot read tensor {name!r} (file corrupt or truncated?): {e}") from None
+

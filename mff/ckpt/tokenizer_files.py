@@ -47,6 +47,9 @@ class TextAssets:
     eos_token: str | None = None
     eos_ids: list[int] = field(default_factory=list)
     pad_token: str | None = None
+    chat_template_source: str | None = None
+    """Where ``chat_template`` was read, for errors: ``FOLDER/tokenizer_config.json`` (key
+    ``chat_template``), ``FOLDER/chat_template.jinja`` or ``FILE.gguf`` (``tokenizer.chat_template``)."""
 
     def add_eos_token_id(self) -> None:
         """Append the EOS token's id to ``eos_ids`` (when the tokenizer knows it)."""
@@ -74,6 +77,9 @@ def _as_list(x, where: str = "config", key: str = "eos_token_id") -> list[int]:
     items = list(x) if isinstance(x, (list, tuple)) else [x]
     if any(isinstance(i, bool) or not isinstance(i, int) for i in items):
         raise ValueError(f"{where}: {key} is {x!r}; expected a token id (an int) or a list of them")
+    bad = [i for i in items if not 0 <= i < 2**31]
+    if bad:
+        raise ValueError(f"{where}: {key} holds {bad[0]}; expected token ids in [0, 2**31)")
     return items
 
 
@@ -118,10 +124,19 @@ def _folder_assets(folder: Path, eos_ids: list[int]) -> TextAssets:
     tok_file = folder / "tokenizer.json"
     tok_cfg = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
     template = tok_cfg.get("chat_template")
+    source = f"{folder / 'tokenizer_config.json'} chat_template" if template is not None else None
     if isinstance(template, list):  # several named templates: the default one
+        names = [t.get("name") for t in template if isinstance(t, dict)]
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+        if template is None:
+            raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template is a list of named templates without one named "
+                             f"'default' (names: {names}); pass the one to use as a file (--chat-template / --data.chat-template)")
     if template is None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
+        try:
+            template = (folder / "chat_template.jinja").read_bytes().decode("utf-8") or None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{folder / 'chat_template.jinja'} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        source = str(folder / "chat_template.jinja")
     if (folder / "generation_config.json").is_file():
         gen = folder / "generation_config.json"
         eos_ids = _as_list(_read_json(gen).get("eos_token_id"), str(gen)) or eos_ids
@@ -131,7 +146,7 @@ def _folder_assets(folder: Path, eos_ids: list[int]) -> TextAssets:
         raise ValueError(f"{where}: chat_template is a {type(template).__name__}; expected the template text (a string)")
     return TextAssets(tok, template, _special(tok_cfg.get("bos_token"), where, "bos_token"),
                       _special(tok_cfg.get("eos_token"), where, "eos_token"), list(eos_ids),
-                      pad_token=_special(tok_cfg.get("pad_token"), where, "pad_token"))
+                      pad_token=_special(tok_cfg.get("pad_token"), where, "pad_token"), chat_template_source=source)
 
 
 def _run_eod_id(tokenizer: Tokenizer, step: Path) -> int | None:
@@ -163,7 +178,8 @@ def load_text_assets(path: str | os.PathLike, gguf=None) -> TextAssets:
             from mff.ckpt.gguf import read_gguf
 
             gguf = read_gguf(p, with_tokenizer=True)
-        out = TextAssets(gguf.tokenizer, gguf.chat_template, gguf.bos_token, gguf.eos_token, _as_list(gguf.config.get("eos_token_id"), str(p)))
+        out = TextAssets(gguf.tokenizer, gguf.chat_template, gguf.bos_token, gguf.eos_token, _as_list(gguf.config.get("eos_token_id"), str(p)),
+                         chat_template_source=f"{p} tokenizer.chat_template")
         pad = gguf.config.get("pad_token_id")
         if gguf.tokenizer is not None and isinstance(pad, int):
             out.pad_token = gguf.tokenizer.id_to_token(pad)

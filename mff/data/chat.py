@@ -11,6 +11,10 @@ page): a sandboxed Jinja environment with ``trim_blocks`` and ``lstrip_blocks``,
 ``loopcontrols`` extension, a ``tojson`` filter that does not HTML-escape, and the globals
 ``raise_exception(message)`` and ``strftime_now(format)``. The ``{% generation %}`` block some
 templates use to mark assistant text renders its body unchanged here.
+
+A template is rendered in :class:`mff.data.jinja_sandbox.BoundedSandbox`: it cannot reach Python
+internals, and a render stops with one error line past 4,000,000 rendered characters,
+1,000,000 loop iterations, 1,000,000 calls or 10 s (the module's limits).
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["render_chat_template", "read_chat_template_file"]
+from mff.data.jinja_sandbox import BoundedSandbox, TemplateRenderError, render_bounded
+
+__all__ = ["render_chat_template", "read_chat_template_file", "TemplateRenderError"]
 
 
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                         what: str = "the chat template", **kwargs: Any) -> str:
     """Render a chat template for `messages`, the way HF's ``apply_chat_template(tokenize=False)`` does.
 
     Args:
@@ -33,28 +40,32 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
         messages: the conversation, a list of dicts with at least ``role`` and ``content``.
         add_generation_prompt: append the text that opens the assistant's turn (templates read
             the ``add_generation_prompt`` variable).
+        what: the template's name in an error, e.g. ``"the chat template of run/tokenizer_config.json"``.
         **kwargs: further template variables, e.g. ``bos_token``, ``eos_token``, ``tools``.
 
     Returns:
         The rendered prompt text (not tokenized; special tokens appear as text).
 
     Raises:
-        jinja2.TemplateSyntaxError: the template does not parse.
-        jinja2.TemplateError: the template called ``raise_exception(message)`` (the message is
-            the template's).
-        jinja2.exceptions.SecurityError: the template tried something the sandbox forbids.
+        TemplateRenderError: (a ValueError) one line naming ``what`` and the reason: the template
+            does not parse, called ``raise_exception(message)`` (the message is the template's),
+            tried something the sandbox forbids, went past a limit of
+            :mod:`mff.data.jinja_sandbox`, or its expressions raised.
         TypeError: `messages` is not a list.
     """
     if not isinstance(messages, list):
         raise TypeError(f"render_chat_template: messages must be a list of dicts, got {type(messages).__name__}")
-    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+    compiled = _compile(template)
+    if isinstance(compiled, TemplateRenderError):
+        raise TemplateRenderError(f"{what}{compiled}")
+    return render_bounded(compiled, dict(kwargs, messages=messages, add_generation_prompt=add_generation_prompt), what)
 
 
 @lru_cache(maxsize=16)
 def _compile(template: str):
+    """The compiled template, or the syntax error (a ``TemplateRenderError`` whose message follows the name)."""
     import jinja2
     from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class _Generation(Extension):
         """``{% generation %}...{% endgeneration %}``: renders its body as is."""
@@ -75,11 +86,14 @@ def _compile(template: str):
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _Generation])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    return env.from_string(template)
+    try:
+        return env.compile_bounded(template)
+    except jinja2.TemplateSyntaxError as e:
+        return TemplateRenderError(f" does not parse (line {e.lineno}): {e.message}")
 
 
 def read_chat_template_file(path: str | os.PathLike, flag: str = "--chat-template") -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Sequence
 
+from mff.paths import file_kind
+
 EXCLUDED_DIR_NAMES = frozenset({"site-packages", "dist-packages"})
 """Path components that exclude a file from the default (standard library) corpus."""
 
@@ -110,6 +112,8 @@ def discover_files(paths: Sequence[str]) -> tuple[list[SourceFile], list[str]]:
             if kind is None:
                 raise ValueError(f"data: unsupported corpus file {raw!r}: expected .txt or .jsonl")
             files.append((os.path.basename(path), index, _source(path, os.path.basename(path), kind)))
+        elif os.path.exists(path):
+            raise ValueError(f"data: corpus path {raw!r} is {file_kind(path)}; expected a .txt or .jsonl file or a folder of them")
         else:
             raise FileNotFoundError(f"data: corpus path not found: {raw!r}")
     files.sort(key=lambda t: (t[0], t[1]))

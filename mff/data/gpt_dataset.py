@@ -240,6 +240,31 @@ def build_indices(sequence_lengths: np.ndarray, documents: np.ndarray, seq_len: 
     return document_index, sample_index, shuffle_index
 
 
+def _index_problem(document_index: np.ndarray, sample_index: np.ndarray, shuffle_index: np.ndarray,
+                   sequence_lengths: np.ndarray) -> str | None:
+    """What makes cached indices unusable for this data (None: they are consistent): document ids
+    outside the dataset, sample starts outside the document index or their documents, a shuffle
+    index that is not a permutation of the samples. One vectorised pass over each array."""
+    n_docs, n_samples = len(sequence_lengths), len(shuffle_index)
+    if len(document_index) and (int(document_index.min()) < 0 or int(document_index.max()) >= n_docs):
+        return f"document ids outside [0, {n_docs})"
+    if len(sample_index):
+        pos, off = sample_index[:, 0].astype(np.int64), sample_index[:, 1].astype(np.int64)
+        if int(pos.min()) < 0 or int(pos.max()) >= max(len(document_index), 1):
+            return f"sample starts outside the {len(document_index)} document-index entries"
+        if len(document_index):
+            if int(off.min()) < 0 or bool(np.any(off > np.asarray(sequence_lengths)[np.asarray(document_index)[pos]])):
+                return "sample offsets outside their documents"
+        if np.any(np.diff(pos) < 0):
+            return "sample starts that go backwards"
+    if n_samples:
+        if int(shuffle_index.min()) < 0 or int(shuffle_index.max()) >= n_samples:
+            return f"shuffle entries outside [0, {n_samples})"
+        if int(np.bincount(np.asarray(shuffle_index, dtype=np.int64), minlength=n_samples).max()) != 1:
+            return "a shuffle index that repeats samples"
+    return None
+
+
 def _reset_positions(input_ids: np.ndarray, eod_id: int) -> np.ndarray:
     t = np.arange(len(input_ids), dtype=np.int64)
     start = np.zeros(len(input_ids), dtype=np.int64)
@@ -323,7 +348,11 @@ class GPTDataset:
                 arrays = tuple(np.load(paths[k], mmap_mode="r") for k in ("document_index", "sample_index", "shuffle_index"))
                 d, s, p = arrays
                 if d.ndim == 1 and s.ndim == 2 and s.shape[1] == 2 and p.shape == (s.shape[0] - 1,):
-                    return d, s, p
+                    bad = _index_problem(d, s, p, self.indexed.sequence_lengths)
+                    if bad is None:
+                        return d, s, p
+                    warnings.warn(f"gpt dataset: the cached indices {paths['sample_index']} (and its siblings) do not fit the data "
+                                  f"({bad}); rebuilding them", stacklevel=3)
             except (OSError, ValueError):
                 pass
         arrays = build_indices(self.indexed.sequence_lengths, self.documents, cfg.seq_len, self.num_samples,

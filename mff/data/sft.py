@@ -179,27 +179,32 @@ def held_out(rows: list[Row], val_permille: int) -> list[bool]:
     return flags
 
 
-def _encoder(cfg: SFTDataConfig, tokenizer, chat_template: str | None, bos: str | None, eos: str | None):
+def _encoder(cfg: SFTDataConfig, tokenizer, chat_template: str | None, bos: str | None, eos: str | None,
+             chat_template_source: str | None = None):
     if cfg.template == "mindformers-alpaca":
         return MindFormersAlpacaEncoder(tokenizer)
     if cfg.template != "chat":
         raise ValueError(f"--data.template {cfg.template!r}; expected chat or mindformers-alpaca")
+    what = f"the chat template of {chat_template_source}" if chat_template_source else "the checkpoint's chat template"
     if cfg.chat_template is not None:
         chat_template = read_chat_template(cfg.chat_template)
+        what = f"--data.chat-template {cfg.chat_template}"
     if not chat_template:
         raise ValueError("the checkpoint has no chat template (tokenizer_config.json chat_template, chat_template.jinja or the GGUF's "
                          "tokenizer.chat_template); pass --data.chat-template FILE, or --data.template mindformers-alpaca")
-    return ChatTemplateEncoder(tokenizer, chat_template, bos, eos, cfg.train_on)
+    return ChatTemplateEncoder(tokenizer, chat_template, bos, eos, cfg.train_on, what)
 
 
 def build_sft_data(cfg: SFTDataConfig, tokenizer, seq_len: int, chat_template: str | None = None, bos_token: str | None = None,
-                   eos_token: str | None = None, pad_id: int = 0) -> SFTData:
+                   eos_token: str | None = None, pad_id: int = 0, chat_template_source: str | None = None) -> SFTData:
     """Read, split, encode, truncate and (optionally) pack the rows of ``cfg.path``.
+
+    ``chat_template_source`` names where ``chat_template`` was read (a file and key) in errors.
 
     Raises:
         FileNotFoundError, ValueError: unreadable or empty files, bad rows (file and line
             named), an unknown format or role, a row with no assistant turn, a missing chat
-            template, a template that renders turns inconsistently, no rows left to train on,
+            template, a template that fails on a row or renders turns inconsistently, no rows left to train on,
             a bad ``--data.val-permille`` / ``--data.limit``.
     """
     if cfg.format not in ("auto", *FORMATS):
@@ -215,7 +220,7 @@ def build_sft_data(cfg: SFTDataConfig, tokenizer, seq_len: int, chat_template: s
     rows = read_rows(cfg.path)
     if cfg.limit is not None:
         rows = rows[: cfg.limit]
-    enc = _encoder(cfg, tokenizer, chat_template, bos_token, eos_token)
+    enc = _encoder(cfg, tokenizer, chat_template, bos_token, eos_token, chat_template_source)
     counts = {"rows": len(rows), "truncated": 0, "dropped": 0, "merges": 0}
     split: dict[str, list[dict[str, np.ndarray]]] = {"train": [], "val": []}
     val_flags = held_out(rows, cfg.val_permille)

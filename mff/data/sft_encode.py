@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jinja2
-
 from mff.data.chat import render_chat_template
 
 __all__ = ["TRAIN_ON", "Encoded", "ChatTemplateEncoder", "MindFormersAlpacaEncoder"]
@@ -56,21 +54,21 @@ class ChatTemplateEncoder:
         train_on: one of :data:`TRAIN_ON`.
     """
 
-    def __init__(self, tokenizer, template: str, bos_token: str | None = None, eos_token: str | None = None, train_on: str = "assistant"):
+    def __init__(self, tokenizer, template: str, bos_token: str | None = None, eos_token: str | None = None, train_on: str = "assistant",
+                 what: str = "the chat template"):
         if train_on not in TRAIN_ON:
             raise ValueError(f"--data.train-on {train_on!r}; expected one of {', '.join(TRAIN_ON)}")
         self.tok = tokenizer
         self.template = template
         self.vars = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self.train_on = train_on
+        self.what = what
         self.specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content),
                                key=len, reverse=True)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
-        try:
-            return render_chat_template(self.template, messages, add_generation_prompt=add_generation_prompt, **self.vars)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"{where}: the chat template fails on this conversation: {e}") from None
+        return render_chat_template(self.template, messages, add_generation_prompt=add_generation_prompt, what=f"{where}: {self.what}",
+                                    **self.vars)
 
     def _encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from mff.paths import file_kind
+
 __all__ = ["FORMATS", "Row", "read_rows", "detect_format", "to_messages"]
 
 FORMATS = ("alpaca", "sharegpt", "openai")
@@ -48,6 +50,8 @@ def _files(paths: tuple[str, ...] | list[str]) -> list[Path]:
             if p.suffix not in (".json", ".jsonl"):
                 raise ValueError(f"--data.path {p}: expected a .json or .jsonl file of rows (or a folder of them), got {p.suffix or 'no suffix'}")
             out.append(p)
+        elif p.exists():
+            raise ValueError(f"--data.path {p} is {file_kind(p)}; expected a .json or .jsonl file of rows or a folder of them")
         else:
             raise FileNotFoundError(f"--data.path {p} does not exist")
     return out

@@ -34,8 +34,12 @@ import ast
 import json
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 
+import jinja2
+
+from mff.data.jinja_sandbox import BoundedSandbox, TemplateRenderError, render_bounded
 from mff.eval.task import Generation, MultipleChoice, Perplexity, Task
 
 __all__ = ["read_task_file", "perplexity_task", "TaskFileError"]
@@ -47,11 +51,16 @@ class TaskFileError(ValueError):
     """A task file that mff cannot use (the file and the key named)."""
 
 
+@lru_cache(maxsize=1)
 def _env():
     from jinja2 import StrictUndefined
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    return ImmutableSandboxedEnvironment(keep_trailing_newline=True, undefined=StrictUndefined)  # as lm-eval: an unknown name is an error
+    return BoundedSandbox(keep_trailing_newline=True, undefined=StrictUndefined)  # as lm-eval: an unknown name is an error
+
+
+@lru_cache(maxsize=64)
+def _template(rule: str):
+    return _env().compile_bounded(rule)
 
 
 def _apply(rule, doc: dict, where: str, key: str):
@@ -64,10 +73,15 @@ def _apply(rule, doc: dict, where: str, key: str):
         return doc[rule]
     if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", rule):  # a field name, not a template
         raise TaskFileError(f"{where}: {key} names the field {rule!r}, which a data row lacks (its fields: {', '.join(sorted(doc))})")
+    what = f"{where}: {key} template {rule[:200]!r}"
     try:
-        return _env().from_string(rule).render(**doc)
-    except Exception as e:  # jinja2 raises many kinds (syntax, undefined, security)
-        raise TaskFileError(f"{where}: {key} template {rule!r} failed on a row with fields {sorted(doc)}: {type(e).__name__}: {e}") from None
+        template = _template(rule)
+    except jinja2.TemplateSyntaxError as e:
+        raise TaskFileError(f"{what} does not parse (line {e.lineno}): {e.message}") from None
+    try:
+        return render_bounded(template, doc, what)
+    except TemplateRenderError as e:
+        raise TaskFileError(f"{e} (a row with fields {sorted(doc)})") from None
 
 
 def _read_rows(path: Path, where: str) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -143,15 +144,21 @@ def run_recipe_main(body: Callable[[], int]) -> int:
     checkpoint / numeric / OS errors 1, Ctrl-C 130; a collective timeout leaves at once (the other ranks are
     gone or stuck, so tearing the group down could block on them). A process group this call
     did not find already set up (research code or a test may run a recipe inside its own) is
-    destroyed at the end: leaving gloo's threads to static destruction can abort a rank."""
+    destroyed at the end, after a barrier when the run ended normally (or stopped by a signal, which
+    every rank agrees on): leaving gloo's threads to static destruction, or closing a rank's pairs
+    while a peer still has work on them, can abort a rank. A run that fails before its first
+    checkpoint removes the checkpoint folder it created (:func:`mff.ckpt.checkpoint.discard_unused_dirs`)."""
     from mff.backend import DeviceUnavailable
     from mff.ckpt import CheckpointError
+    from mff.ckpt.checkpoint import discard_unused_dirs
     from mff.parallel.watchdog import CollectiveTimeout
     from mff.train.step import NonFiniteError
 
     owns_group = not dist.is_initialized()
+    code = 1
     try:
-        return body()
+        code = body()
+        return code
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -164,7 +171,16 @@ def run_recipe_main(body: Callable[[], int]) -> int:
         sys.stdout.flush()
         os._exit(1)
     finally:
+        if code != 0:  # a run that failed before its first checkpoint leaves no folder behind
+            discard_unused_dirs()
         if owns_group and dist.is_initialized():
+            if code in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                # every rank finished the same steps: meet before tearing down, so that no rank closes its
+                # gloo pairs while a peer still has work in flight on them (an abort at exit otherwise)
+                try:
+                    dist.barrier()
+                except RuntimeError:
+                    pass
             dist.destroy_process_group()
 
 

@@ -150,7 +150,8 @@ def _text(cfg: FinetuneConfig, init: _Init) -> TextAssets:
     if text.tokenizer is None:
         raise ValueError(f"--init-from {cfg.init_from} comes with no tokenizer (no tokenizer.json); pass --data.tokenizer")
     if cfg.data.chat_template is not None:
-        text = dataclasses.replace(text, chat_template=read_chat_template(cfg.data.chat_template))
+        text = dataclasses.replace(text, chat_template=read_chat_template(cfg.data.chat_template),
+                                   chat_template_source=f"--data.chat-template {cfg.data.chat_template}")
     if cfg.data.template == "chat" and text.chat_template and "eos_token" in text.chat_template and not text.eos_token:
         print0("note: the chat template writes eos_token, but the checkpoint names none (tokenizer_config.json eos_token): "
                "answers are trained without that end token")
@@ -262,7 +263,8 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
     # data (its row count decides --steps)
     text = _text(cfg, init)
     pad = text.eos_ids[0] if text.eos_ids else 0
-    data = build_sft_data(cfg.data, text.tokenizer, cfg.seq_len, text.chat_template, text.bos_token, text.eos_token, pad_id=pad)
+    data = build_sft_data(cfg.data, text.tokenizer, cfg.seq_len, text.chat_template, text.bos_token, text.eos_token, pad_id=pad,
+                          chat_template_source=text.chat_template_source)
     top = max(int(r["input_ids"].max()) for r in data.train.rows)
     if top >= model.config.vocab_size:
         raise ValueError(f"the tokenizer gives id {top} but the model's vocab_size is {model.config.vocab_size}; use the checkpoint's tokenizer")

@@ -28,7 +28,8 @@ from mff.data import (
     unigram_entropy,
 )
 from mff.data.megatron_source import SampleLoader, as_blend, batch_keys, build_megatron_data, sample_batches
-from mff.models import build
+from mff.model import check_model_fits
+from mff.models import build, get_family
 from mff.optim import init_state
 from mff.parallel import build_mesh, data_parallel_rank, data_parallel_size, placements_of
 from mff.parallel.watchdog import collective
@@ -105,7 +106,8 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
         print0(f"threads: {threads} ({why})")
     mesh = build_mesh(dist_info.device_type, cfg.parallel, dist_info.world_size)
     dp_size, dp_rank = data_parallel_size(mesh), data_parallel_rank(mesh)
-    # model
+    # model (a config whose params cannot fit, even split over every process, fails before its skeleton is built)
+    check_model_fits(get_family(family), cfg.model, dist_info.device, param_dtype(cfg.precision), "--model", shards=dist_info.world_size)
     model = build(family, cfg.model).with_execution(cfg.ac, cfg.compile)
     check_train_config(cfg, model, dp_size)
     _lock = ckpt.lock_dir(cfg.ckpt_dir) if dist_info.rank == 0 else None  # held until run() returns

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ class RunLog:
     TensorBoard scalars (rank 0 only). The bar is drawn only on a terminal, so a log written to a
     file holds the step lines once each."""
 
-    def __init__(self, metrics_file: str | None, total: int, initial: int = 0, tensorboard: str | None = None):
+    def __init__(self, metrics_file: str | None, total: int, initial: int = 0, tensorboard: str | None = None,
+                 resumed_from: str | None = None):
         self.rank0 = is_rank0()
         interactive = sys.stderr.isatty()
         self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
@@ -67,6 +69,11 @@ class RunLog:
         if metrics_file and self.rank0:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self.metrics = open(metrics_file, "a")
+            if resumed_from is not None and self.metrics.tell() > 0:
+                # the steps after the checkpoint come again: a reader keeps the last record of each step
+                self.metrics.write(json.dumps({"event": "resume", "resumed_from": resumed_from, "next_step": initial + 1,
+                                               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+                self.metrics.flush()
         if tensorboard and self.rank0:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -12,6 +12,7 @@ the loader and the checkpoint metadata.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
@@ -117,6 +118,22 @@ def memory_check(cfg: TrainConfig, model: Model, device: torch.device, shard: in
     return mem
 
 
+@contextlib.contextmanager
+def _previous_step_hint(last: Path):
+    """A CheckpointError raised inside (the newest step ``last`` is corrupt) also says which earlier
+    step is still there and how to resume from it."""
+    try:
+        yield
+    except ckpt.CheckpointError as e:
+        root = last.parent
+        older = [s for s in ckpt.list_steps(root) if ckpt.step_dir_name(s) < last.name]
+        if not older:
+            raise
+        prev = ckpt.step_dir_name(older[-1])
+        raise ckpt.CheckpointError(f"{e}; the previous checkpoint {root / prev} is still there: to resume from it, move {last} "
+                                   f"out of {root} and write '{prev}' into {root / 'latest'}") from None
+
+
 def resumable(cfg: TrainConfig, family: str, model: Model, check: Callable[[dict, Path], None] | None = None,
               recipe: str = "pretrain") -> Path | None:
     """The newest checkpoint folder of ``--ckpt-dir`` (None if there is none), once its recipe
@@ -130,7 +147,8 @@ def resumable(cfg: TrainConfig, family: str, model: Model, check: Callable[[dict
     last = ckpt.latest_step_dir(cfg.ckpt_dir)
     if last is None:
         return None
-    meta = ckpt.read_meta(last, required=("tokens_seen", "data", "rng", "family", "config", "run"))
+    with _previous_step_hint(last):
+        meta = ckpt.read_meta(last, required=("tokens_seen", "data", "rng", "family", "config", "run"))
     check_resume_recipe(meta, recipe, last)
     check_resume_config(meta, family, model.config)
     saved_len = meta["run"].get("seq_len")
@@ -157,9 +175,16 @@ def resume(cfg: TrainConfig, last: Path | None, saved: dict[str, torch.Tensor], 
     position and the RNG states; returns ``(saved params, optimizer state, step, tokens seen)``."""
     if last is None:
         return saved, opt_state, 0, 0
-    saved, opt_state, meta = ckpt.load(last, saved, opt_state)
-    loader.load_state_dict(meta["data"])
-    restore_rng(meta["rng"])
+    where = f"{last / 'meta.msgpack'}"
+    with _previous_step_hint(last):
+        saved, opt_state, meta = ckpt.load(last, saved, opt_state)
+        try:
+            loader.load_state_dict(meta["data"])
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
+            if isinstance(e, ValueError) and str(e).startswith("data:"):  # a position of another data stream: the loader says which
+                raise
+            raise ckpt.CheckpointError(f"{where} is corrupt: its data position cannot be restored ({type(e).__name__}: {e})") from None
+        restore_rng(meta["rng"], where)
     print0(f"resumed from {last} (step {meta['step']}, {meta['tokens_seen']:,} tokens seen)")
     saved_steps = meta["run"].get("steps")
     if saved_steps is not None and saved_steps != cfg.steps:
@@ -281,7 +306,8 @@ def train_loop(run: Loop) -> int:
     cfg = run.cfg
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
     print_run_plan(cfg, run)
-    log = RunLog(cfg.metrics_file, total=cfg.steps, initial=run.start, tensorboard=cfg.metrics.tensorboard)
+    log = RunLog(cfg.metrics_file, total=cfg.steps, initial=run.start, tensorboard=cfg.metrics.tensorboard,
+                 resumed_from=str(Path(cfg.ckpt_dir) / ckpt.step_dir_name(run.start)) if run.start > 0 else None)
     stop = {"signal": None}
 
     def on_signal(signum, frame):

@@ -64,6 +64,10 @@ def check_resume_recipe(meta: dict, recipe: str, folder: Path | str) -> None:
                               f"(give this run its own --ckpt-dir)")
 
 
+def _kind(value: Any) -> str:
+    return "missing" if value is None else f"a {type(value).__name__}"
+
+
 def rng_state() -> dict:
     """The torch RNG states (CPU, and CUDA when used) as bytes, for checkpoint metadata."""
     state = {"torch_cpu": torch.get_rng_state().numpy().tobytes()}
@@ -72,8 +76,17 @@ def rng_state() -> dict:
     return state
 
 
-def restore_rng(state: dict) -> None:
-    """Inverse of :func:`rng_state`."""
-    torch.set_rng_state(torch.frombuffer(bytearray(state["torch_cpu"]), dtype=torch.uint8))
+def restore_rng(state: dict, where: str = "the checkpoint") -> None:
+    """Inverse of :func:`rng_state`.
+
+    Raises:
+        CheckpointError: ``state`` lacks the CPU state or holds one of the wrong size (``where`` named).
+    """
+    cpu = state.get("torch_cpu")
+    want = torch.get_rng_state().numel()
+    if not isinstance(cpu, bytes) or len(cpu) != want:
+        got = f"{len(cpu)} bytes" if isinstance(cpu, bytes) else _kind(cpu)
+        raise CheckpointError(f"{where} is corrupt: rng.torch_cpu is {got}, expected torch's {want}-byte CPU generator state")
+    torch.set_rng_state(torch.frombuffer(bytearray(cpu), dtype=torch.uint8))
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["torch_cuda"]), dtype=torch.uint8))
