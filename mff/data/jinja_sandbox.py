@@ -23,9 +23,9 @@ names the limit. :func:`render_bounded` turns every failure of a render (the tem
 ``raise_exception``, the sandbox's ``SecurityError``, a limit, an error in the template's
 expressions) into :class:`TemplateRenderError`, a ``ValueError`` with one line.
 
-The guards are put in at parse time: every ``For`` node's iterable is wrapped in a call to the
-environment's ``guard_loop`` and every ``~``, ``+``, filter and call in one to ``guard_size``
-(``jinja2.nodes.EnvironmentAttribute``, which a template cannot rebind).
+The guards are put in at parse time: every ``For`` node's iterable goes through the filter
+``mff_guard_loop`` and every ``~``, ``+``, filter and call through ``mff_guard_size`` (filters are
+the environment's: a template cannot rebind them, and naming them itself only adds checks).
 """
 
 from __future__ import annotations
@@ -184,16 +184,14 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         """
         tree = self.parse(source)
         nodes = jinja2.nodes
-        sized = (nodes.Concat, nodes.Add, nodes.Filter, nodes.Call)
         for node in list(tree.find_all(nodes.Node)):
             if isinstance(node, (nodes.FilterBlock, nodes.AssignBlock, nodes.CallBlock)):
                 continue  # their filter / call field is not an expression
             for field, child in node.iter_fields():
-                if isinstance(child, sized) and not (isinstance(child, nodes.Filter) and child.node is None):
+                if _sized(child):
                     setattr(node, field, _guarded("guard_size", child))
                 elif isinstance(child, list):
-                    child[:] = [_guarded("guard_size", c) if isinstance(c, sized) and not (isinstance(c, nodes.Filter) and c.node is None)
-                                else c for c in child]
+                    child[:] = [_guarded("guard_size", c) if _sized(c) else c for c in child]
         for node in tree.find_all(nodes.For):
             node.iter = _guarded("guard_loop", node.iter)
         return self.from_string(tree)
@@ -202,11 +200,23 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         super().__init__(*args, **kwargs)
         for name in _GROWING_FILTERS:
             self.filters[name] = _checked_filter(name, self.filters[name])
+        self.filters["mff_guard_size"] = self.guard_size
+        self.filters["mff_guard_loop"] = self.guard_loop
+
+
+def _sized(node) -> bool:
+    """Whether ``node`` is an expression whose result :meth:`BoundedSandbox.guard_size` checks: ``~``,
+    ``+``, a call, or a filter applied to a value (not the filter of a ``{% filter %}`` block)."""
+    nodes = jinja2.nodes
+    if isinstance(node, nodes.Filter):
+        return node.node is not None
+    return isinstance(node, (nodes.Concat, nodes.Add, nodes.Call))
 
 
 def _guarded(method: str, node):
-    """``environment.<method>(node)`` as a jinja2 expression node."""
-    return jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute(method), [node], [], None, None, lineno=node.lineno)
+    """``node | mff_<method>`` as a jinja2 expression node: a filter, which the compiled template calls
+    directly (a call node would go through the sandbox's ``call`` on every use)."""
+    return jinja2.nodes.Filter(node, f"mff_{method}", [], [], None, None, lineno=node.lineno)
 
 
 def _checked_filter(name: str, f):
