@@ -71,6 +71,7 @@ def test_weights_with_nan_or_inf_are_refused_naming_the_tensor(tmp_path):
     ("tokenizer_config.json", b'["eos"]', "tokenizer_config.json must hold a JSON object, got a list"),
     ("tokenizer_config.json", b'{"eos_token": 5}', "tokenizer_config.json: eos_token is 5; expected the token's text"),
     ("tokenizer_config.json", b'{"chat_template": {"a": 1}}', "tokenizer_config.json: chat_template is a dict"),
+    ("tokenizer_config.json", b'{"eos_token": "\\ud800"}', "tokenizer_config.json: eos_token holds a \\uD800-\\uDFFF escape"),
     ("generation_config.json", b'{"eos_token_id": "two"}', "generation_config.json: eos_token_id is 'two'; expected a token id"),
     ("generation_config.json", b'{"eos_token_id": [2, true]}', "generation_config.json: eos_token_id is [2, True]"),
     ("generation_config.json", b'{"eos_token_id": 1180591620717411303424}',
@@ -143,6 +144,20 @@ def test_a_config_too_big_for_memory_is_refused_before_anything_is_built(tmp_pat
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --model: the config (num_hidden_layers 1000000"), r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_float16_cast_that_overflows_says_so(tmp_path):
+    import torch
+
+    import mff
+
+    model = mff.build("qwen3", size="tiny")
+    params = model.init(seed=0)
+    params["model.norm.weight"] = torch.full_like(params["model.norm.weight"], 1e6)  # finite in fp32, inf in fp16
+    mff.save_hf(model, params, tmp_path / "hf")
+    mff.load(tmp_path / "hf")  # fp32: fine
+    with pytest.raises(ValueError, match=r"model.norm.weight holds inf in float16 .*values past 65504.*load it in float32 or bfloat16"):
+        mff.load(tmp_path / "hf", dtype=torch.float16)
 
 
 def test_an_adapter_holding_nan_is_refused(tmp_path):

@@ -96,9 +96,13 @@ def check_finite_weights(params: dict[str, torch.Tensor], where: str) -> None:
     for i in bad:
         t = params[names[i]]
         n = int((~torch.isfinite(t)).sum())
-        if n:  # else only the fp32 sum overflowed: values near 1e38, finite
-            raise ValueError(f"{where}: tensor {names[i]} holds NaN or inf ({n:,} of {t.numel():,} values); the checkpoint is "
-                             "corrupt (mff.load(..., allow_non_finite=True) loads it anyway)")
+        if not n:  # only the fp32 sum overflowed: values near 1e38, finite
+            continue
+        if t.dtype == torch.float16 and not bool(torch.isnan(t).any()):
+            raise ValueError(f"{where}: tensor {names[i]} holds inf in float16 ({n:,} of {t.numel():,} values): values past 65504, "
+                             "float16's largest, overflow when cast to it (or the checkpoint holds inf); load it in float32 or bfloat16")
+        raise ValueError(f"{where}: tensor {names[i]} holds NaN or inf ({n:,} of {t.numel():,} values); the checkpoint is "
+                         "corrupt (mff.load(..., allow_non_finite=True) loads it anyway)")
 
 
 def load(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = torch.float32,

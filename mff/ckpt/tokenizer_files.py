@@ -117,7 +117,32 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path} must hold a JSON object, got a {type(d).__name__}")
+    try:
+        bad = _surrogate_key(d)
+    except RecursionError:  # nested about as deep as json itself reads: not a tokenizer file
+        raise ValueError(f"{path} is nested too deeply to be a tokenizer or generation config") from None
+    if bad is not None:
+        raise ValueError(f"{path}: {bad} holds a \\uD800-\\uDFFF escape that is no character on its own (a lone surrogate); "
+                         "the text cannot be encoded")
     return d
+
+
+def _surrogate_key(value, key: str = "") -> str | None:
+    """The key path of the first string in ``value`` holding a lone surrogate (JSON ``"\\ud800"``), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return key or "a string"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _surrogate_key(k) is not None:
+            return f"the key {k.encode('utf-8', 'backslashreplace').decode()!r}"
+        found = _surrogate_key(v, f"{key}.{k}" if key else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def _folder_assets(folder: Path, eos_ids: list[int]) -> TextAssets:
