@@ -462,11 +462,13 @@ def _skeleton_params(family: Family, config: Any) -> int:
 
 
 def estimate_param_count(family: Family, config: Any) -> int:
-    """Params of ``family``/``config`` without building the whole skeleton: skeletons of 4 and 5
-    layers (meta tensors) give the embeddings, head, MTP and the size of one more layer, which
-    is extrapolated to ``num_hidden_layers`` (exact when every layer past the fourth has the
-    same shape, as in every supported family; a config of at most 5 layers is counted whole).
-    Milliseconds, whatever the config claims."""
+    """Params of ``family``/``config`` without building the whole skeleton: a 5-layer skeleton
+    (meta tensors) gives the embeddings, head, MTP and the first layers; the rest are counted
+    by kind: a config with ``is_moe_layer(idx)`` (the MoE families) has the size of a dense and of
+    a MoE layer measured on 1- and 2-layer skeletons and times how many of each its rule makes;
+    otherwise every layer past the fourth has the shape of the fifth. Exact for every supported
+    family; a config of at most 5 layers is counted whole. Milliseconds for any layer count the
+    memory could hold (one ``is_moe_layer`` call per layer)."""
     import dataclasses
 
     if hasattr(config, "validate"):
@@ -474,9 +476,30 @@ def estimate_param_count(family: Family, config: Any) -> int:
     L = int(config.num_hidden_layers)
     if L <= 5 or not dataclasses.is_dataclass(config):
         return _skeleton_params(family, config)
-    p4 = _skeleton_params(family, dataclasses.replace(config, num_hidden_layers=4))
     p5 = _skeleton_params(family, dataclasses.replace(config, num_hidden_layers=5))
-    return p5 + (L - 5) * (p5 - p4)
+    if not hasattr(config, "is_moe_layer"):
+        p4 = _skeleton_params(family, dataclasses.replace(config, num_hidden_layers=4))
+        return p5 + (L - 5) * (p5 - p4)
+    # dense and MoE layers mixed by the config's rule (first_k_dense_replace, decoder_sparse_step,
+    # mlp_only_layers, moe_layer_freq): the size of each kind, times how many layers of it there are
+    size = {kind: _skeleton_params(family, _forced(config, kind, 2)) - _skeleton_params(family, _forced(config, kind, 1))
+            for kind in (False, True)}
+    n_moe = sum(1 for i in range(5, L) if config.is_moe_layer(i))
+    total = p5 + n_moe * size[True] + (L - 5 - n_moe) * size[False]
+    mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)  # MTP depths take the kind of layer L + k
+    moved = sum(int(config.is_moe_layer(L + k)) - int(config.is_moe_layer(5 + k)) for k in range(mtp))
+    return total + moved * (size[True] - size[False])
+
+
+def _forced(config: Any, moe: bool, layers: int) -> Any:
+    """``config`` with ``layers`` layers, every one (MTP depths included) dense or MoE: an instance
+    of a subclass whose ``is_moe_layer`` answers ``moe`` (its fields copied, not re-validated)."""
+    cls = type(config)
+    sub = type(f"{cls.__name__}AllMoE" if moe else f"{cls.__name__}AllDense", (cls,), {"is_moe_layer": lambda self, idx: moe})
+    out = object.__new__(sub)
+    out.__dict__.update(config.__dict__)
+    out.__dict__["num_hidden_layers"] = layers
+    return out
 
 
 def check_model_fits(family: Family, config: Any, device: torch.device | str, dtype: torch.dtype | None, where: str,

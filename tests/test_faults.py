@@ -113,9 +113,29 @@ def test_the_param_estimate_is_exact(family):
     from mff.model import Model, estimate_param_count
 
     model = mff.build(family, size="tiny")
-    for layers in (2, 7):
-        cfg = dataclasses.replace(model.config, num_hidden_layers=layers)
-        assert estimate_param_count(model.family, cfg) == sum(math.prod(s) for s in Model(model.family, cfg).param_shapes().values())
+    # layer patterns: dense and MoE layers mixed past the first five layers, MTP depths of either kind
+    patterns = {"qwen3_moe": [dict(decoder_sparse_step=2), dict(mlp_only_layers=(6, 7, 8), intermediate_size=5000),
+                              dict(decoder_sparse_step=3, mlp_only_layers=(0, 5))],
+                "deepseek3": [dict(first_k_dense_replace=7), dict(moe_layer_freq=2, first_k_dense_replace=1),
+                              dict(moe_layer_freq=3, num_nextn_predict_layers=2)],
+                "telechat3": [dict(moe_layer_freq=2)], "glm4_moe": [dict(first_k_dense_replace=7)]}
+    for layers, extra in [(2, {}), (7, {}), *((9, p) for p in patterns.get(family, []))]:
+        cfg = dataclasses.replace(model.config, num_hidden_layers=layers, **extra)
+        assert estimate_param_count(model.family, cfg) == sum(math.prod(s) for s in Model(model.family, cfg).param_shapes().values()), extra
+
+
+def test_dense_layers_past_the_fifth_are_counted(tmp_path):
+    """A qwen3_moe config.json whose later layers are dense and huge (mlp_only_layers) is refused
+    like one with huge MoE layers: the estimate counts each layer's kind."""
+    import dataclasses
+
+    import mff
+    from mff.model import check_model_fits
+
+    model = mff.build("qwen3_moe", size="tiny")
+    cfg = dataclasses.replace(model.config, num_hidden_layers=100_000, mlp_only_layers=tuple(range(6, 100_000)), intermediate_size=100_000)
+    with pytest.raises(ValueError, match=r"num_hidden_layers 100000.* params"):
+        check_model_fits(model.family, cfg, "cpu", None, "config.json")
 
 
 def test_a_config_too_big_for_memory_is_refused_before_anything_is_built(tmp_path):

@@ -106,6 +106,10 @@ class Glm4MoeConfig:
         need(math.isfinite(self.moe_router_bias_update_rate) and self.moe_router_bias_update_rate >= 0,
              f"moe_router_bias_update_rate={self.moe_router_bias_update_rate} must be >= 0")
 
+    def is_moe_layer(self, idx: int) -> bool:
+        """HF's rule for layer ``idx``: the first ``first_k_dense_replace`` layers are dense, the rest MoE."""
+        return idx >= self.first_k_dense_replace
+
 
 _GLM45_ROPE = RopeParameters(rope_theta=1000000.0, partial_rotary_factor=0.5)
 
@@ -127,7 +131,7 @@ def skeleton(cfg: Glm4MoeConfig) -> CausalLM:
     """The meta skeleton (HF ``Glm4MoeForCausalLM`` param paths)."""
     layers = []
     for i in range(cfg.num_hidden_layers):
-        if i >= cfg.first_k_dense_replace:
+        if cfg.is_moe_layer(i):
             mlp = MoE(cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok,
                       cfg.n_shared_experts, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         else:

@@ -12,6 +12,7 @@ also read from ``num_local_experts``).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -98,7 +99,11 @@ class Qwen3MoeConfig:
 
     def is_moe_layer(self, idx: int) -> bool:
         """HF's rule for layer ``idx``."""
-        return idx not in self.mlp_only_layers and self.num_experts > 0 and (idx + 1) % self.decoder_sparse_step == 0
+        return self.num_experts > 0 and (idx + 1) % self.decoder_sparse_step == 0 and idx not in self._dense_layers
+
+    @functools.cached_property
+    def _dense_layers(self) -> frozenset[int]:
+        return frozenset(self.mlp_only_layers)
 
 
 SIZES = {
