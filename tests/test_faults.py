@@ -199,3 +199,17 @@ def test_an_adapter_holding_nan_is_refused(tmp_path):
         mff.load(tmp_path / "base", adapter=tmp_path / "adapter")
     _, params = mff.load(tmp_path / "base", adapter=tmp_path / "adapter", allow_non_finite=True)
     assert any(bool(torch.isnan(v).any()) for v in params.values())
+
+
+@pytest.mark.parametrize("family,field", [("qwen3", "head_dim"), ("deepseek3", "qk_rope_head_dim"), ("deepseek3", "v_head_dim")])
+def test_an_absurd_head_width_is_refused_before_the_rotary_tables_are_built(family, field):
+    """head_dim 2**34 made the skeleton allocate its 64 GiB rotary table first (a RuntimeError traceback)."""
+    import dataclasses
+
+    import mff
+    from mff.model import estimate_param_count
+
+    model = mff.build(family, size="tiny")
+    cfg = dataclasses.replace(model.config, **{field: 2**34})
+    with pytest.raises(ValueError, match=rf"{field}=17179869184 is past 65,536"):
+        estimate_param_count(model.family, cfg)

@@ -22,7 +22,7 @@ from torch import nn
 
 from mff.model import Family, Output
 from mff.models.common import config_from_hf, config_to_hf, scaled_init_table
-from mff.models.validate import check_pad_token
+from mff.models.validate import MAX_HEAD_DIM, check_pad_token
 from mff.nn.blocks import BlockExecution, run_block
 from mff.nn.decoder import prepare_positions_and_mask
 from mff.nn.head import HeadWeight, head_cross_entropy_sum, head_logits, head_weight
@@ -139,6 +139,8 @@ class DeepseekV3Config:
         need(math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0,
              f"routed_scaling_factor={self.routed_scaling_factor} must be a finite number > 0")
         need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+        for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            need(getattr(self, name) <= MAX_HEAD_DIM, f"{name}={getattr(self, name)} is past {MAX_HEAD_DIM:,}; no attention head is that wide")
         need(self.q_lora_rank is None or self.q_lora_rank > 0, f"q_lora_rank={self.q_lora_rank} must be > 0 or None")
         need(self.moe_layer_freq >= 1, f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
         if self.n_routed_experts:

@@ -25,6 +25,11 @@ def check_pad_token(cfg: Any) -> None:
                                     "set it to a token id below vocab_size, or to null")
 
 
+MAX_HEAD_DIM = 65536
+"""Widest attention head a config may ask for (real models use 64-512): the rotary tables are
+built for it before any weight, so an absurd value would allocate gigabytes first."""
+
+
 def check_gqa(cfg: Any) -> None:
     """Sizes > 0, heads a multiple of KV heads, finite eps / init, RoPE parameters, rotary dims even,
     the pad token in the vocabulary."""
@@ -32,6 +37,7 @@ def check_gqa(cfg: Any) -> None:
                  "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = getattr(cfg, name)
         need(isinstance(v, int) and v > 0, f"{name}={v!r} must be an int > 0")
+    need(cfg.head_dim <= MAX_HEAD_DIM, f"head_dim={cfg.head_dim} is past {MAX_HEAD_DIM:,}; no attention head is that wide")
     need(cfg.num_attention_heads % cfg.num_key_value_heads == 0,
          f"num_attention_heads={cfg.num_attention_heads} must be a multiple of num_key_value_heads={cfg.num_key_value_heads}")
     need(math.isfinite(cfg.rms_norm_eps) and cfg.rms_norm_eps > 0, f"rms_norm_eps={cfg.rms_norm_eps} must be > 0")
