@@ -98,3 +98,32 @@ def test_sigterm_and_ctrl_c_save_and_resume(setup, sig):
     r = run_cli(args, cache, timeout=600)
     assert r.returncode == 0, r.stderr
     _assert_same_final(out, ref)
+
+
+def test_ctrl_c_under_torchrun_saves_on_every_rank_and_resumes(setup):
+    """Ctrl-C in a terminal signals torchrun and both workers (the whole process group): the ranks
+    agree on the step, save it and exit 130 with no traceback of theirs; torchrun itself reports
+    the signal (its own SignalException). The rerun on two processes resumes from that step."""
+    import subprocess
+
+    from tests.cli_util import ROOT, cli_env
+    from tests.dist_util import torchrun_cmd
+
+    root, corpus, cache, _ = setup
+    out = root / "torchrun-ctrl-c"
+    args = tiny_args(corpus) + ["--steps", "200", "--ckpt-dir", str(out), "--save-every", "0", "--metrics-file", str(out / "m.jsonl"),
+                                "--parallel.dp-shard", "2"]
+    proc = subprocess.Popen(torchrun_cmd(2, ["-m", "mff.recipes.pretrain", *args]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=cli_env(cache), cwd=ROOT, start_new_session=True)
+    metrics = out / "m.jsonl"
+    wait_for(proc, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    stdout, stderr = proc.communicate(timeout=180)
+    saved = [line for line in stdout.splitlines() if line.startswith("SIGINT: checkpoint saved at step")]
+    assert len(saved) == 1, (stdout[-2000:], stderr[-3000:])  # printed by rank 0 once
+    step = int(saved[0].split("step ")[1].split()[0])
+    assert (out / "latest").read_text().strip() == step_dir_name(step)
+    assert "mff/" not in "".join(line for line in stderr.splitlines() if line.strip().startswith("File ")), stderr[-3000:]
+    r = subprocess.run(torchrun_cmd(2, ["-m", "mff.recipes.pretrain", *args, "--stop-after", str(step + 2)]),
+                       capture_output=True, text=True, env=cli_env(cache), cwd=ROOT, timeout=600)
+    assert r.returncode == 0 and f"resumed from {out / step_dir_name(step)}" in r.stdout, r.stderr[-3000:]
