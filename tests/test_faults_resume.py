@@ -102,12 +102,12 @@ def test_a_failed_start_leaves_no_folder(trained, tmp_path):
     out = tmp_path / "new" / "run"
     r = _pretrain([*args, "--steps", "2", "--ckpt-dir", str(out), "--data.path", str(tmp_path / "missing")], root / "cache")
     _one_line(r, 2, "corpus path not found")
-    assert not out.exists()
-    # a folder the user made is kept, as is what it held
+    assert not out.exists() and not (tmp_path / "new").exists()  # nor the parent made for it
+    # a folder the user made is kept, as is what it held; only the lock file goes
     out.mkdir(parents=True)
     (out / "notes.txt").write_text("mine")
     r = _pretrain([*args, "--steps", "2", "--ckpt-dir", str(out), "--data.path", str(tmp_path / "missing")], root / "cache")
-    assert r.returncode == 2 and (out / "notes.txt").read_text() == "mine"
+    assert r.returncode == 2 and sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
 
 
 def test_a_fifo_as_data_path_is_named(trained, tmp_path):

@@ -79,6 +79,10 @@ def test_sigkill_after_checkpoint_then_rerun_is_bitwise_equal(setup):
     marks = [i for i, rec in enumerate(lines) if rec.get("event") == "resume"]
     assert len(marks) == 1 and lines[marks[0]]["resumed_from"] == str(out / killed_at) and lines[marks[0]]["next_step"] == k + 1
     assert [rec["step"] for rec in lines[marks[0] + 1:]] == list(range(k + 1, STEPS + 1))
+    # a rerun with nothing left to do adds no marker
+    r = run_cli(args, cache, timeout=600)
+    assert r.returncode == 0 and "nothing to do" in r.stdout, r.stderr
+    assert len((out / "m.jsonl").read_text().splitlines()) == len(lines)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

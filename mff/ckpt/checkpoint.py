@@ -62,8 +62,8 @@ def lock_dir(ckpt_dir: str | os.PathLike):
     root = Path(ckpt_dir)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"checkpoint folder {root} exists and is not a folder")
-    if not root.exists():
-        _CREATED.append(root)
+    top = next((p for p in reversed([root, *root.parents]) if not p.exists()), None)  # the outermost folder this call makes
+    _CREATED.append((root, top, not (root / ".lock").exists()))
     try:
         root.mkdir(parents=True, exist_ok=True)
         handle = open(root / ".lock", "a+")
@@ -89,24 +89,37 @@ def lock_dir(ckpt_dir: str | os.PathLike):
     return handle
 
 
-_CREATED: list[Path] = []
-"""Checkpoint folders :func:`lock_dir` created in this process."""
+_CREATED: list[tuple[Path, Path | None, bool]] = []
+"""What :func:`lock_dir` made in this process: ``(folder, the outermost folder it created (None:
+the folder existed), whether it created the .lock file)``."""
 _START_UP_FILES = ("run_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def discard_unused_dirs() -> None:
     """Remove the checkpoint folders :func:`lock_dir` created in this process that hold only what
     a run writes at start-up (``.lock``, ``run_config.json``, the tokenizer files): called when a
-    run fails before its first checkpoint, so that nothing is left behind. A folder holding
-    anything else (a step dir, ``latest``, a metrics file) is kept."""
+    run fails before its first checkpoint, so that nothing is left behind, with the empty parent
+    folders made for them. A folder holding anything else (a step dir, ``latest``, a metrics file)
+    is kept; of a folder that existed before, only the ``.lock`` file the run added is removed."""
     while _CREATED:
-        root = _CREATED.pop()
+        root, top, new_lock = _CREATED.pop()
         try:
             names = [p.name for p in root.iterdir()]
         except OSError:
             continue
+        if top is None:  # the user's folder: only the lock file this run added goes
+            if new_lock and not (root / "latest").exists():
+                (root / ".lock").unlink(missing_ok=True)
+            continue
         if all(n == ".lock" or n in _START_UP_FILES or n.startswith(".probe-") for n in names):
             shutil.rmtree(root, ignore_errors=True)
+            for parent in root.parents:  # and the empty parents it made for it
+                if top not in (parent, *parent.parents):
+                    break
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
 
 
 def step_dir_name(step: int) -> str:
@@ -477,7 +490,8 @@ def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> di
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {step_dir} has no meta.msgpack (incomplete or not an mff checkpoint)") from None
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from None
+        why = str(e) or "not msgpack data"
+        raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {why}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an mff checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != VERSION:

@@ -307,7 +307,7 @@ def train_loop(run: Loop) -> int:
     end = min(cfg.steps, cfg.stop_after or cfg.steps)
     print_run_plan(cfg, run)
     log = RunLog(cfg.metrics_file, total=cfg.steps, initial=run.start, tensorboard=cfg.metrics.tensorboard,
-                 resumed_from=str(Path(cfg.ckpt_dir) / ckpt.step_dir_name(run.start)) if run.start > 0 else None)
+                 resumed_from=str(Path(cfg.ckpt_dir) / ckpt.step_dir_name(run.start)) if 0 < run.start < end else None)
     stop = {"signal": None}
 
     def on_signal(signum, frame):
