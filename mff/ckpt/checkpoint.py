@@ -490,7 +490,7 @@ def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> di
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {step_dir} has no meta.msgpack (incomplete or not an mff checkpoint)") from None
     except Exception as e:
-        why = str(e) or "not msgpack data"
+        why = str(e) or ("nested too deeply" if type(e).__name__ == "StackError" else "not msgpack data")
         raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {why}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an mff checkpoint (format {meta.get('format') if isinstance(meta, dict) else None!r})")

@@ -182,7 +182,7 @@ def resume(cfg: TrainConfig, last: Path | None, saved: dict[str, torch.Tensor], 
             loader.load_state_dict(meta["data"])
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
             if isinstance(e, ValueError) and str(e).startswith("data:"):  # a position of another data stream: the loader says which
-                raise
+                raise ValueError(f"{where}: {e}") from None
             raise ckpt.CheckpointError(f"{where} is corrupt: its data position cannot be restored ({type(e).__name__}: {e})") from None
         restore_rng(meta["rng"], where)
     print0(f"resumed from {last} (step {meta['step']}, {meta['tokens_seen']:,} tokens seen)")
