@@ -103,13 +103,13 @@ def discard_unused_dirs() -> None:
     is kept; of a folder that existed before, only the ``.lock`` file the run added is removed."""
     while _CREATED:
         root, top, new_lock = _CREATED.pop()
-        try:
-            names = [p.name for p in root.iterdir()]
-        except OSError:
-            continue
         if top is None:  # the user's folder: only the lock file this run added goes
             if new_lock and not (root / "latest").exists():
                 (root / ".lock").unlink(missing_ok=True)
+            continue
+        try:
+            names = [p.name for p in root.iterdir()]
+        except OSError:
             continue
         if all(n == ".lock" or n in _START_UP_FILES or n.startswith(".probe-") for n in names):
             shutil.rmtree(root, ignore_errors=True)

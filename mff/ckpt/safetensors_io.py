@@ -297,4 +297,3 @@ class _CheckedHandle:
             return self._h.get_tensor(name)
         except Exception as e:
             raise ValueError(f"{self._path}: cannot read tensor {name!r} (file corrupt or truncated?): {e}") from None
-

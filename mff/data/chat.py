@@ -26,7 +26,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from mff.data.jinja_sandbox import BoundedSandbox, TemplateRenderError, render_bounded
+import jinja2
+
+from mff.data.jinja_sandbox import BoundedSandbox, TemplateRenderError, render_bounded, syntax_message
 
 __all__ = ["render_chat_template", "read_chat_template_file", "TemplateRenderError"]
 
@@ -55,16 +57,16 @@ def render_chat_template(template: str, messages: list[dict], add_generation_pro
     """
     if not isinstance(messages, list):
         raise TypeError(f"render_chat_template: messages must be a list of dicts, got {type(messages).__name__}")
-    compiled = _compile(template)
-    if isinstance(compiled, TemplateRenderError):
-        raise TemplateRenderError(f"{what}{compiled}")
+    try:
+        compiled = _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateRenderError(syntax_message(e, what)) from None
     return render_bounded(compiled, dict(kwargs, messages=messages, add_generation_prompt=add_generation_prompt), what)
 
 
 @lru_cache(maxsize=16)
 def _compile(template: str):
-    """The compiled template, or the syntax error (a ``TemplateRenderError`` whose message follows the name)."""
-    import jinja2
+    """The compiled template. Raises jinja2.TemplateSyntaxError when it does not parse."""
     from jinja2.ext import Extension
 
     class _Generation(Extension):
@@ -90,10 +92,7 @@ def _compile(template: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    try:
-        return env.compile_bounded(template)
-    except jinja2.TemplateSyntaxError as e:
-        return TemplateRenderError(f" does not parse (line {e.lineno}): {e.message}")
+    return env.compile_bounded(template)
 
 
 def read_chat_template_file(path: str | os.PathLike, flag: str = "--chat-template") -> str:

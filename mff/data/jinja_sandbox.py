@@ -41,7 +41,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = [
     "MAX_RENDERED_CHARS", "MAX_LOOP_ITERATIONS", "MAX_CALLS", "MAX_RENDER_SECONDS", "MAX_POWER_BITS",
-    "BoundedSandbox", "TemplateLimitError", "TemplateRenderError", "render_bounded",
+    "BoundedSandbox", "TemplateLimitError", "TemplateRenderError", "render_bounded", "syntax_message",
 ]
 
 MAX_RENDERED_CHARS = 4_000_000
@@ -88,8 +88,9 @@ def _check_str_method(s: str, name: str, args: tuple, kwargs: dict):
     elif name in ("format", "format_map"):
         import string
 
-        numbers = [int(n) for _, _, spec, _ in string.Formatter().parse(s) if spec for n in _NUMBER.findall(spec)]
-        if any("{" in (spec or "") for _, _, spec, _ in string.Formatter().parse(s)):  # a width given as an argument
+        specs = [spec for _, _, spec, _ in string.Formatter().parse(s) if spec]
+        numbers = [int(n) for spec in specs for n in _NUMBER.findall(spec)]
+        if any("{" in spec for spec in specs):  # a width given as an argument
             numbers += [_int(a) for a in (*args, *kwargs.values())]
         if numbers:
             _too_long(max(numbers), f"str.{name} width {max(numbers)}")
@@ -236,6 +237,11 @@ def _checked_filter(name: str, f):
         return f(value, *args, **kwargs)
 
     return checked
+
+
+def syntax_message(e: jinja2.TemplateSyntaxError, what: str) -> str:
+    """The one-line error for a template ``what`` that does not parse."""
+    return f"{what} does not parse (line {e.lineno}): {e.message}"
 
 
 def render_bounded(template, variables: dict[str, Any], what: str) -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import jinja2
 
-from mff.data.jinja_sandbox import BoundedSandbox, TemplateRenderError, render_bounded
+from mff.data.jinja_sandbox import BoundedSandbox, TemplateRenderError, render_bounded, syntax_message
 from mff.eval.task import Generation, MultipleChoice, Perplexity, Task
 
 __all__ = ["read_task_file", "perplexity_task", "TaskFileError"]
@@ -77,7 +77,7 @@ def _apply(rule, doc: dict, where: str, key: str):
     try:
         template = _template(rule)
     except jinja2.TemplateSyntaxError as e:
-        raise TaskFileError(f"{what} does not parse (line {e.lineno}): {e.message}") from None
+        raise TaskFileError(syntax_message(e, what)) from None
     try:
         return render_bounded(template, doc, what)
     except TemplateRenderError as e:
