@@ -39,6 +39,36 @@ HOSTILE = {
                           "more than 1,000,000 calls"),
     "runaway recursion": ("{% for x in [1] recursive %}{{ loop([1]) }}{% endfor %}", "RecursionError"),
     "syntax": ("{% for m in messages %}", "does not parse (line 1)"),
+    # sizes multiplied inside a filter, a method or a constant jinja2 would fold at compile time
+    "format filter, named width": ('{{ "%(a)2000000000s" | format(a="x") }}', "format width 2000000000"),
+    "percent, named width": ('{{ "%(a)2000000000s" % {"a": "x"} }}', "format width 2000000000"),
+    "percent, star width": ('{{ "%*s" % (2000000000, "x") }}', "format width 2000000000 (from *)"),
+    "str.format width from an item": ('{{ "{1:{0[0]}}".format([2000000000], "x") }}', "str.format width 2000000000"),
+    "str.format width from a string": ('{{ "{0:{1}}".format("x", "2000000000") }}', "str.format width 2000000000"),
+    "format_map width": ('{{ "{a:{w}}".format_map({"a": "x", "w": 2000000000}) }}', "str.format width 2000000000"),
+    "bytes repetition": ("{{ 'a'.encode('utf-8') * 2000000000 }}", "bytes of length 1 * 2000000000"),
+    "integer squaring": ("{% set ns = namespace(x=2**2000) %}{% for i in range(22) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
+                         "an integer * an integer passes 4096 bits"),
+    "replace filter": ("{{ ('a' * 4000000) | replace('a', 'a' * 1000) }}", "replace would make 4,000,000,000 characters"),
+    "join filter": ("{{ range(1000) | join('a' * 4000000) }}", "join would make 3,996,001,000 characters"),
+    "str.join of a generator": ("{{ ('a' * 4000000).join(range(1000) | map('string')) }}", "str.join would make"),
+    "str.translate": ("{{ ('a' * 5000).translate({97: 'b' * 1000}) }}", "str.translate would make 5,000,000 characters"),
+    "batch fill": ('{{ [1] | batch(1000000000, "x") | list }}', "batch(1000000000) with a fill value"),
+    "slice": ("{{ [1] | slice(1000000000) | list }}", "slice(1000000000)"),
+    "wordwrap output": ("{{ ('a ' * 1000) | wordwrap(1, wrapstring='x' * 4000000) }}", "wordwrap(1) would make"),
+    "wordwrap of one long word": ("{{ ('a' * 2000000) | wordwrap(1, wrapstring='') }}", "2,000,000-character word would copy"),
+    "tojson indent": ("{{ range(1000) | list | tojson(indent=4000000) }}", "tojson(indent=4000000) would make"),
+    "lipsum": ("{{ lipsum(3000000, html=false) }}", "lipsum(3000000) would make"),
+    "list nested in itself": ("{% set ns = namespace(l=[]) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
+                              "a list holding more than 4,000,000 items and characters"),
+    "dict nested in itself": ('{% set ns = namespace(l={}) %}{% for i in range(40) %}{% set ns.l = {"a": ns.l, "b": ns.l} %}'
+                              "{% endfor %}{{ ns.l | tojson }}", "a dict holding more than 4,000,000 items"),
+    "list of a big string repeated": ("{% set s = 'x' * 3999999 %}{{ ([s] * 1000) | length }}", "a list of length 1 * 1000 would make"),
+    "dict.fromkeys of a big string": ("{% set s = 'x' * 3999999 %}{{ dict.fromkeys(range(1000), s) | length }}", "a dict holding more"),
+    "text written in a set block": ("{% set s = 'x' * 3999999 %}{% set b %}{% for i in range(5000) %}{{ s }}{% endfor %}{% endset %}",
+                                    "the rendered text passes 4,000,000 characters"),
+    "text written in a macro": ("{% macro m() %}" + "y" * 1000 + "{% endmacro %}{% for i in range(100000) %}{% set _ = m() %}{% endfor %}",
+                                "the rendered text passes 4,000,000 characters"),
 }
 
 
@@ -60,6 +90,14 @@ def test_the_time_limit_stops_a_slow_render(monkeypatch):
     with pytest.raises(TemplateRenderError, match="ran past 0.2 s"):
         render_chat_template("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", MESSAGES)
     assert time.monotonic() - t0 < 5
+
+
+def test_adding_many_lists_is_linear_and_a_namespace_may_hold_itself():
+    # sum(start=[]) of 100,000 lists: Python's sum copies the running total each time (quadratic)
+    t0 = time.monotonic()
+    out = render_chat_template("{{ (range(100000) | map('string') | map('list') | list) | sum(start=[]) | length }}"
+                               "{% set ns = namespace() %}{% set ns.me = ns %}{{ [ns, ns] | length }}", MESSAGES)
+    assert out == "4888902" and time.monotonic() - t0 < 5
 
 
 def test_templates_real_models_use_still_render():
@@ -147,5 +185,5 @@ def test_a_task_file_template_is_bounded(tmp_path):
     task = tmp_path / "t.yaml"
     task.write_text(f"task: t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
                     "output_type: generate_until\ndoc_to_text: \"{{ q * 10**9 }}\"\ndoc_to_target: a\n")
-    with pytest.raises(TaskFileError, match=r"doc_to_text template .* went past a limit: str of length 3 \* 1000000000"):
+    with pytest.raises(TaskFileError, match=r"doc_to_text template .* went past a limit: a str of length 3 \* 1000000000"):
         read_task_file(task).load()
