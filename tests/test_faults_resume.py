@@ -57,6 +57,15 @@ def _corrupt(meta: dict, how: str) -> dict:
         meta["data"] = {k: v for k, v in meta["data"].items() if k != "position"}
     elif how == "tokens":
         meta["tokens_seen"] = -5
+    elif how == "step past its folder":
+        meta["step"] = 2**64 - 1
+    elif how == "huge data position":
+        meta["data"] = dict(meta["data"], position=2**63)
+    elif how.startswith("run."):
+        key, value = {"run.optim": ("optim", "adamw"), "run.seq_len": ("seq_len", "32"), "run.precision": ("precision", 7)}[how]
+        meta["run"] = dict(meta["run"], **{key: value})
+    elif how == "config field":
+        meta["config"] = dict(meta["config"], hidden_size=[meta["config"]["hidden_size"]])
     return meta
 
 
@@ -66,6 +75,12 @@ def _corrupt(meta: dict, how: str) -> dict:
     ("rng", "is corrupt: rng.torch_cpu is 100 bytes, expected torch's 5056-byte CPU generator state"),
     ("data", "is corrupt: its data position cannot be restored (KeyError: 'position')"),
     ("tokens", "is corrupt: tokens_seen is -5, expected a token count >= 0"),
+    ("step past its folder", "is corrupt: step is 18446744073709551615 in a folder named step_00000004"),
+    ("huge data position", "is corrupt: data.position is 9223372036854775808, expected a sample count in [0, 2**62)"),
+    ("run.optim", "is corrupt: run.optim is 'adamw', expected the optimizer options (a map)"),
+    ("run.seq_len", "is corrupt: run.seq_len is '32', expected a sequence length"),
+    ("run.precision", "is corrupt: run.precision is 7, expected a precision name"),
+    ("config field", "is corrupt: config.hidden_size is [64] (list), expected a number like this run's 64"),
 ])
 def test_a_corrupt_meta_on_resume_is_one_line_naming_the_previous_step(trained, tmp_path, how, needle):
     root, args = trained
@@ -77,6 +92,8 @@ def test_a_corrupt_meta_on_resume_is_one_line_naming_the_previous_step(trained, 
     r = _pretrain(args + ["--steps", "6", "--ckpt-dir", str(run)], root / "cache")
     line = _one_line(r, 1, str(meta_file), needle)
     assert f"the previous checkpoint {run / 'step_00000002'} is still there" in line and f"write 'step_00000002' into {run / 'latest'}" in line
+    if how not in ("step", "huge data position"):
+        return
     # doing what it says resumes from step 2
     shutil.move(run / "step_00000004", tmp_path / "aside")
     (run / "latest").write_text("step_00000002\n")
@@ -122,7 +139,7 @@ def test_a_fifo_as_data_path_is_named(trained, tmp_path):
         read_rows([str(fifo)])
 
 
-def test_model_safetensors_that_is_a_folder_is_named(tmp_path):
+def test_model_safetensors_that_is_a_folder_or_a_bad_link_is_named(tmp_path):
     import mff
     from tests.sft_util import make_chat_checkpoint
 
@@ -130,4 +147,12 @@ def test_model_safetensors_that_is_a_folder_is_named(tmp_path):
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors").mkdir()
     with pytest.raises(ValueError, match=r"model.safetensors is a folder, not a file"):
+        mff.load(folder)
+    (folder / "model.safetensors").rmdir()
+    (folder / "model.safetensors").symlink_to("model.safetensors")  # a link to itself
+    with pytest.raises(ValueError, match=r"model.safetensors is a symlink loop, not a file"):
+        mff.load(folder)
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to("gone.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors is a broken symlink, not a file"):
         mff.load(folder)

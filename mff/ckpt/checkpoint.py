@@ -481,8 +481,9 @@ def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> di
     """The ``meta.msgpack`` of a step dir.
 
     Raises:
-        CheckpointError: missing, unreadable, not an mff checkpoint of a known version, or
-            lacking one of the ``required`` keys.
+        CheckpointError: missing, unreadable, not an mff checkpoint of a known version,
+            lacking one of the ``required`` keys, a key of the wrong type, or a step that is not
+            the one its ``step_NNNNNNNN`` folder is named for.
     """
     path = Path(step_dir) / "meta.msgpack"
     try:
@@ -503,6 +504,9 @@ def read_meta(step_dir: str | os.PathLike, required: tuple[str, ...] = ()) -> di
         value = meta.get(key)
         if key in meta and (not isinstance(value, kinds) or isinstance(value, bool) or (kinds == int and value < 0)):
             raise CheckpointError(f"{path} is corrupt: {key} is {_short(value)}, expected {what}")
+    named = re.fullmatch(r"step_(\d+)", Path(step_dir).name)
+    if named and int(named.group(1)) != meta["step"]:
+        raise CheckpointError(f"{path} is corrupt: step is {_short(meta['step'])} in a folder named {Path(step_dir).name}")
     return meta
 
 

@@ -215,7 +215,7 @@ class SafetensorsFolder:
         if single.is_file():  # as transformers: the single file wins over an index
             return [single.name], None, None
         for p in (single, index):
-            if p.exists() and not p.is_file():
+            if os.path.lexists(p) and not p.is_file():
                 raise ValueError(f"{p} is {file_kind(p)}, not a file")
         if index.is_file():
             weight_map = read_weight_map(index)

@@ -17,6 +17,9 @@ import torch
 
 from .packing import PackedTokens, windows_to_examples
 
+MAX_POSITION = 2**62
+"""Past the largest loader position mff accepts on resume (samples; int64 index arithmetic stays exact below it)."""
+
 
 def _to_torch(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     return {k: torch.from_numpy(v) for k, v in arrays.items()}
@@ -149,15 +152,15 @@ class Loader:
 
         Raises:
             KeyError: no ``"position"``.
-            ValueError: a negative position, or a seed, window count or shuffle flag that
+            ValueError: a position outside ``[0, 2**62)``, or a seed, window count or shuffle flag that
                 differs from this loader's (the stream would not be the same).
         """
         if state.get("kind") == "megatron":
             raise ValueError("data: the checkpoint was trained on Megatron indexed data, this run reads raw corpus files "
                              "(the sample stream would differ; use another --ckpt-dir)")
         position = int(state["position"])
-        if position < 0:
-            raise ValueError(f"data: loader position must be >= 0, got {position}")
+        if not 0 <= position < MAX_POSITION:
+            raise ValueError(f"data: loader position must be in [0, 2**62), got {position}")
         mine = self.state_dict()
         for key in ("seed", "num_samples", "shuffle"):
             if key in state and int(state[key]) != mine[key]:

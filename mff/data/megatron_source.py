@@ -30,7 +30,7 @@ from .blend import Blend, build_blended_gpt_datasets, parse_blend
 from .config import DataConfig
 from .gpt_dataset import GPTDatasetConfig, split_ranges
 from .indexed import bin_path, idx_path, open_indexed
-from .loader import check_batch_split, eval_bounds
+from .loader import MAX_POSITION, check_batch_split, eval_bounds
 from .mindrecord import is_mindrecord
 from .tokenizer import find_eod_id, load_tokenizer
 
@@ -224,14 +224,14 @@ class SampleLoader:
         """Continue at the saved position.
 
         Raises:
-            ValueError: a state from another kind of loader, a negative position, or a sample
+            ValueError: a state from another kind of loader, a position outside ``[0, 2**62)``, or a sample
                 count that differs (the indices, hence the stream, would differ).
         """
         if state.get("kind") != "megatron":
             raise ValueError("data: the checkpoint was trained on raw corpus files, this run reads Megatron indexed data "
                              "(the sample stream would differ; use another --ckpt-dir)")
-        if int(state["position"]) < 0:
-            raise ValueError(f"data: loader position must be >= 0, got {state['position']}")
+        if not 0 <= int(state["position"]) < MAX_POSITION:
+            raise ValueError(f"data: loader position must be in [0, 2**62), got {state['position']}")
         if int(state["num_samples"]) != len(self.samples):
             raise ValueError(f"data: the checkpoint's indices hold {state['num_samples']} training samples, this run's {len(self.samples)} "
                              "(the sample count is --steps x --batch-size of the first run; keep them to resume)")

@@ -40,7 +40,7 @@ from mff.train.config import TrainConfig
 from mff.train.log import RunLog, is_rank0, print0
 from mff.train.metrics import measure_matmul_flops, memory_estimate_gib, mfu
 from mff.train.precision import PRECISIONS, param_dtype
-from mff.train.state import check_resume_config, check_resume_recipe, restore_rng, rng_state
+from mff.train.state import check_resume_config, check_resume_recipe, check_run_meta, restore_rng, rng_state
 from mff.train.step import NonFiniteError, check_finite, eval_loss, train_step
 
 __all__ = ["Loop", "train_loop", "check_train_config", "memory_check", "resumable", "resume", "rank_slices", "print_run_header"]
@@ -149,6 +149,7 @@ def resumable(cfg: TrainConfig, family: str, model: Model, check: Callable[[dict
         return None
     with _previous_step_hint(last):
         meta = ckpt.read_meta(last, required=("tokens_seen", "data", "rng", "family", "config", "run"))
+        check_run_meta(meta, last / "meta.msgpack", model.config)
     check_resume_recipe(meta, recipe, last)
     check_resume_config(meta, family, model.config)
     saved_len = meta["run"].get("seq_len")

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from mff.ckpt import CheckpointError
+from mff.data.loader import MAX_POSITION
+from mff.train.precision import PRECISIONS
 
-__all__ = ["config_to_dict", "check_resume_config", "check_resume_recipe", "run_recipe", "rng_state", "restore_rng"]
+__all__ = ["config_to_dict", "check_resume_config", "check_run_meta", "check_resume_recipe", "run_recipe", "rng_state", "restore_rng"]
 
 
 def config_to_dict(cfg: Any, skip: Sequence[str] = ()) -> dict:
@@ -42,6 +44,44 @@ def check_resume_config(meta: dict, family: str, config: Any) -> None:
             diffs.append(f"{key}: checkpoint {saved.get(key)!r}, this run {now.get(key)!r}")
     if diffs:
         raise CheckpointError("the checkpoint's model config differs from this run's: " + "; ".join(diffs) + " (use another --ckpt-dir)")
+
+
+_RUN_TYPES = (("seq_len", int, "a sequence length"), ("steps", int, "a step count"), ("batch_size", int, "a batch size"),
+              ("precision", str, "a precision name"), ("optim", dict, "the optimizer options (a map)"))
+
+
+_KIND_NAMES = {bool: "a bool", int: "a number", float: "a number", str: "a string", list: "a list", tuple: "a list", dict: "a map"}
+
+
+def check_run_meta(meta: dict, where: Path, config: Any) -> None:
+    """Raise CheckpointError naming ``where`` (the ``meta.msgpack``) when the run options or the
+    model config it records have the wrong type (a corrupt or hand-edited file): each of
+    ``run.seq_len``/``steps``/``batch_size`` an int, ``run.precision`` a string, ``run.optim`` a
+    map with a string ``name``, ``data.position`` an int in ``[0, 2**62)``, and each ``config`` field of the type this run's config has
+    (an int where it has an int or a float, a list where it has a list, ...; None is allowed)."""
+    run = meta["run"]
+    for key, kind, what in _RUN_TYPES:
+        value = run.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise CheckpointError(f"{where} is corrupt: run.{key} is {value!r:.60}, expected {what}")
+    name = (run.get("optim") or {}).get("name", "adamw")
+    if not isinstance(name, str):
+        raise CheckpointError(f"{where} is corrupt: run.optim.name is {name!r:.60}, expected an optimizer name")
+    precision = run.get("precision", "fp32")
+    if precision not in PRECISIONS:
+        raise CheckpointError(f"{where} is corrupt: run.precision is {precision!r:.60}, expected one of {PRECISIONS}")
+    position = meta["data"].get("position")
+    if position is not None and (not isinstance(position, int) or isinstance(position, bool) or not 0 <= position < MAX_POSITION):
+        raise CheckpointError(f"{where} is corrupt: data.position is {position!r:.60}, expected a sample count in [0, 2**62)")
+    kinds = {bool: (bool,), int: (int, float), float: (int, float), str: (str,), list: (list, tuple), tuple: (list, tuple), dict: (dict,)}
+    for key, now in config_to_dict(config).items():
+        saved = meta["config"].get(key)
+        expected = kinds.get(type(now))
+        if saved is None or now is None or expected is None:
+            continue
+        if not isinstance(saved, expected) or (isinstance(saved, bool) and type(now) is not bool):
+            raise CheckpointError(f"{where} is corrupt: config.{key} is {saved!r:.60} ({type(saved).__name__}), "
+                                       f"expected {_KIND_NAMES[type(now)]} like this run's {now!r:.60}")
 
 
 def run_recipe(meta: dict) -> str:
