@@ -55,34 +55,6 @@ def test_comm_backend():
         backend.comm_backend("tpu")
 
 
-def test_npu_ops_dispatch_to_torch_npu_kernels(monkeypatch):
-    calls = []
-    fake = types.ModuleType("torch_npu")
-
-    def npu_rms_norm(x, w, epsilon):
-        calls.append("rms")
-        return backend.rms_norm_torch(x, w, epsilon), None
-
-    def npu_grouped_matmul(xs, ws, group_list, split_item, group_type, group_list_type):
-        calls.append("gmm")
-        assert split_item == 2 and group_type == 0 and group_list_type == 1
-        return [backend.grouped_mm_loop(xs[0], ws[0], group_list.tolist())]
-
-    fake.npu_rms_norm, fake.npu_grouped_matmul = npu_rms_norm, npu_grouped_matmul
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
-    try:
-        ops = backend.select_ops("npu", torch_npu_module=fake)
-        assert ops.names == {"rms_norm": "npu_rms_norm", "grouped_mm": "npu_grouped_matmul"}
-        x, w = torch.randn(3, 8), torch.randn(8)
-        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), backend.rms_norm_torch(x, w, 1e-6))
-        xs, ws = torch.randn(5, 4), torch.randn(2, 4, 3)
-        torch.testing.assert_close(ops.grouped_mm(xs, ws, [2, 3]), backend.grouped_mm_loop(xs, ws, [2, 3]))
-        assert calls == ["rms", "gmm"]
-    finally:
-        backend.select_ops("cpu")
-    assert backend.ops.names["rms_norm"] == "torch"
-
-
 def test_rms_norm_matches_hf_formula():
     x, w = torch.randn(2, 3, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
     x32 = x.float()

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mff.backend import ops
 from mff.nn.layers import Linear, linear
 from mff.nn.lora import add_low_rank, lora_input, slot_name
 from mff.parallel.gather import gather
@@ -56,8 +57,7 @@ class FusedGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         split = tp_shard(self.gate_up_proj.weight)
         if split is None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(ops.swiglu(self.gate_up_proj(x)))  # npu_swiglu on an NPU
         w_gate, w_up = gather(self.gate_up_proj.weight, partial=(TP_AXIS,)).chunk(2, dim=0)
         start, stop = chunk_range(w_gate.shape[0], split.rank, split.size)
         x_tp = copy_to_tp(x, split.group)

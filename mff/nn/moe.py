@@ -190,8 +190,7 @@ def _expert_mlp(x_SD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.T
     h = mm(x_SD, gate_up_EFD.transpose(1, 2), counts)  # [S, 2I]
     if lora_gate_up is not None:
         h = h + _grouped_low_rank(mm, x_SD, lora_gate_up, counts)
-    g, u = h.chunk(2, dim=-1)
-    a = F.silu(g) * u
+    a = ops.swiglu(h)  # gate-first halves; npu_swiglu on an NPU
     y = mm(a, down_EDI.transpose(1, 2), counts)
     if lora_down is not None:
         y = y + _grouped_low_rank(mm, a, lora_down, counts)

@@ -9,10 +9,11 @@ The process group is always initialised, also for one process: without ``torchru
 environment is filled with ``RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1`` and a free
 ``MASTER_PORT``; under ``torchrun`` its variables are used as they are.
 
-Fused ops go through :data:`ops`, a small table filled per device: ``torch_npu`` kernels where
-present (``npu_rms_norm``, ``npu_grouped_matmul``), pure torch otherwise. The NPU entries are
-written against torch_npu's documented signatures but have not run on an NPU in this project:
-they are covered only by the dispatch tests (which kernel is chosen), not by numerics tests.
+Fused ops go through :data:`ops`, a small table filled per device: on an NPU the guarded
+``torch_npu`` kernels of :mod:`mff.backend.npu` (``npu_rms_norm``, ``npu_grouped_matmul``,
+``npu_swiglu``), pure torch otherwise. The NPU entries are written against torch_npu's
+documented signatures and limits but have not run on an NPU in this project: CPU CI checks them
+through a stand-in module that enforces the documented contracts (``tests/npu_standin.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
+from mff.backend import npu as npu_ops
+from mff.backend.npu import swiglu_torch
 from mff.parallel.watchdog import set_timeout
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "comm_backend",
     "ops",
     "select_ops",
+    "swiglu_torch",
     "cpu_threads",
 ]
 
@@ -285,22 +289,6 @@ def grouped_mm_fused(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int])
     return _contiguous_grad(torch._grouped_mm(x_ND, w_EDF, offs=offs))
 
 
-def grouped_mm_npu(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """``torch_npu.npu_grouped_matmul`` (split_item=2: one output; group_list_type=1: counts).
-    Unverified here: no NPU in this project's CI."""
-    import torch_npu
-
-    group_list = torch.tensor(counts, device=x_ND.device, dtype=torch.int64)
-    return torch_npu.npu_grouped_matmul([x_ND], [w_EDF], group_list=group_list, split_item=2, group_type=0, group_list_type=1)[0]
-
-
-def rms_norm_npu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``torch_npu.npu_rms_norm`` (returns (y, rstd)). Unverified here: no NPU in this project's CI."""
-    import torch_npu
-
-    return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
-
-
 def _grouped_mm_runs(device_type: str) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
@@ -318,35 +306,56 @@ def _grouped_mm_runs(device_type: str) -> bool:
 
 @dataclass
 class OpTable:
-    """The kernels in use. ``names`` says which implementation each entry is, for logs and tests."""
+    """The kernels in use. ``names`` says which implementation each entry is, for logs and tests.
+
+    - ``rms_norm(x [..., D], weight [D], eps) -> [..., D]``;
+    - ``grouped_mm(x [N, D], w [E, D, F], counts: E ints summing to N) -> [N, F]``;
+    - ``swiglu(x [..., 2F]) -> [..., F]``: ``silu(gate) * up`` on gate-first halves.
+    """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm_torch
     grouped_mm: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor] = grouped_mm_loop
+    swiglu: Callable[[torch.Tensor], torch.Tensor] = swiglu_torch
     names: dict[str, str] | None = None
 
 
-ops = OpTable(names={"rms_norm": "torch", "grouped_mm": "loop"})
+ops = OpTable(names={"rms_norm": "torch", "grouped_mm": "loop", "swiglu": "torch"})
+
+_NPU_NAMES = {"rms_norm": "npu_rms_norm", "grouped_mm": "npu_grouped_matmul", "swiglu": "npu_swiglu"}
 
 
-def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, grouped_mm: str = "auto") -> OpTable:
+def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, grouped_mm: str = "auto",
+               env: dict[str, str] | None = None) -> OpTable:
     """Fill :data:`ops` for ``device_type`` and return it.
 
-    npu with torch_npu importable: ``npu_rms_norm`` and ``npu_grouped_matmul``. Elsewhere the
-    pure torch RMSNorm, and ``torch._grouped_mm`` when a probe forward+backward runs on this
-    device (``grouped_mm="auto"``), the per-expert loop otherwise; ``grouped_mm`` may force
+    npu with torch_npu importable (or ``torch_npu_module``, a stand-in for tests): the guarded
+    kernels of :mod:`mff.backend.npu` (``npu_rms_norm``, ``npu_grouped_matmul``,
+    ``npu_swiglu``) for the ops ``MFF_NPU_FUSED`` (read from ``env``, default ``os.environ``)
+    keeps fused, the torch twin for the others. Elsewhere the pure torch RMSNorm and SwiGLU,
+    and ``torch._grouped_mm`` when a probe forward+backward runs on this device
+    (``grouped_mm="auto"``), the per-expert loop otherwise; ``grouped_mm`` may force
     ``"fused"`` or ``"loop"``.
+
+    Raises:
+        ValueError: an unknown ``grouped_mm`` or ``MFF_NPU_FUSED`` value.
     """
     if grouped_mm not in ("auto", "fused", "loop"):
         raise ValueError(f"grouped_mm={grouped_mm!r}; expected auto, fused or loop")
     npu = torch_npu_module if torch_npu_module is not None else (_import_torch_npu() if device_type == "npu" else None)
+    ops.rms_norm, ops.swiglu = rms_norm_torch, swiglu_torch
+    ops.names = {"rms_norm": "torch", "swiglu": "torch"}
     if device_type == "npu" and npu is not None:
-        ops.rms_norm, ops.grouped_mm = rms_norm_npu, grouped_mm_npu
-        ops.names = {"rms_norm": "npu_rms_norm", "grouped_mm": "npu_grouped_matmul"}
+        wanted = npu_ops.fused_ops_wanted(env)
+        kernels = npu_ops.npu_kernels(npu, rms_norm_torch, grouped_mm_loop)
+        ops.grouped_mm, ops.names["grouped_mm"] = grouped_mm_loop, "loop"
+        for name in npu_ops.NPU_OPS:
+            if name in wanted:
+                setattr(ops, name, kernels[name])
+                ops.names[name] = _NPU_NAMES[name]
         return ops
-    ops.rms_norm = rms_norm_torch
     use_fused = grouped_mm == "fused" or (grouped_mm == "auto" and _grouped_mm_runs(device_type if device_type != "npu" else "cpu"))
     ops.grouped_mm = grouped_mm_fused if use_fused else grouped_mm_loop
-    ops.names = {"rms_norm": "torch", "grouped_mm": "torch._grouped_mm" if use_fused else "loop"}
+    ops.names["grouped_mm"] = "torch._grouped_mm" if use_fused else "loop"
     return ops
 
 
