@@ -50,7 +50,7 @@ HOSTILE = {
     "integer squaring": ("{% set ns = namespace(x=2**2000) %}{% for i in range(22) %}{% set ns.x = ns.x * ns.x %}{% endfor %}",
                          "an integer * an integer passes 4096 bits"),
     "replace filter": ("{{ ('a' * 4000000) | replace('a', 'a' * 1000) }}", "replace would make 4,000,000,000 characters"),
-    "join filter": ("{{ range(1000) | join('a' * 4000000) }}", "join would make 3,996,001,000 characters"),
+    "join filter": ("{{ range(1000) | join('a' * 4000000) }}", "join would make 3,996,00"),
     "str.join of a generator": ("{{ ('a' * 4000000).join(range(1000) | map('string')) }}", "str.join would make"),
     "str.translate": ("{{ ('a' * 5000).translate({97: 'b' * 1000}) }}", "str.translate would make 5,000,000 characters"),
     "batch fill": ('{{ [1] | batch(1000000000, "x") | list }}', "batch(1000000000) with a fill value"),
@@ -67,6 +67,16 @@ HOSTILE = {
     "dict.fromkeys of a big string": ("{% set s = 'x' * 3999999 %}{{ dict.fromkeys(range(1000), s) | length }}", "a dict holding more"),
     "text written in a set block": ("{% set s = 'x' * 3999999 %}{% set b %}{% for i in range(5000) %}{{ s }}{% endfor %}{% endset %}",
                                     "the rendered text passes 4,000,000 characters"),
+    "tojson separators": ('{% set s = "x" * 3900000 %}{{ ([0] * 1000) | tojson(separators=(s, ":")) }}', "separators of 3900001 characters"),
+    "int.to_bytes": ('{{ (1).to_bytes(3000000000, "big") }}', "int.to_bytes(3000000000) would make"),
+    "str.translate of a list": ('{% set t = [""] * 97 + ["x" * 3900000] %}{{ ("a" * 700).translate(t) }}', "str.translate would make"),
+    "percent, nested key": ('{{ "%((a))3000000000s" % {"(a)": "x"} }}', "format width 3000000000"),
+    "percent on bytes": ('{{ "%3000000000s".encode() % ("x".encode(),) }}', "format width 3000000000"),
+    "list of big integers": ("{% set n = 2 ** 2000 %}{{ ([n] * 3000000) | join }}", "a list of length 1 * 3000000 would make"),
+    "big integer from a string": ('{% set n = ("9" * 4000) | int %}', "an integer of 13,288 bits passes 4096 bits"),
+    "3,000 chained +": ("{{ " + " + ".join(["1"] * 3000) + " }}", "nests too deeply to compile (RecursionError)"),
+    "120 nested ifs": ("{% if 1 %}" * 120 + "x" + "{% endif %}" * 120, "nests too deeply to compile (IndentationError)"),
+    "a newline in an error": ('{{ "x".encode("a\nb") }}', "unknown encoding: a b"),
     "text written in a macro": ("{% macro m() %}" + "y" * 1000 + "{% endmacro %}{% for i in range(100000) %}{% set _ = m() %}{% endfor %}",
                                 "the rendered text passes 4,000,000 characters"),
 }
@@ -89,6 +99,11 @@ def test_the_time_limit_stops_a_slow_render(monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(TemplateRenderError, match="ran past 0.2 s"):
         render_chat_template("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}", MESSAGES)
+    assert time.monotonic() - t0 < 5
+    # one |list pulling a chain of lazy filters over 4,000,000 items is one call: the clock is read inside it
+    t0 = time.monotonic()
+    with pytest.raises(TemplateRenderError, match="ran past 0.2 s"):
+        render_chat_template('{{ ([0] * 4000000)' + '|map("string")|map("int")' * 5 + '|list|length }}', MESSAGES)
     assert time.monotonic() - t0 < 5
 
 

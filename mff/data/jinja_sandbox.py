@@ -74,8 +74,6 @@ MAX_POWER_BITS = 4096
 MAX_TEXT_WORK = 4_000_000_000
 """Most characters one ``wordwrap`` may copy (it is quadratic in the length of a long word: about a second)."""
 
-# a %-conversion: optional (key), flags, width and precision (digits or * from the arguments)
-_PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d+|\*)?(?:\.(\d+|\*))?")
 _NUMBER = re.compile(r"\d+")
 _TEXT = (str, bytes, bytearray)
 _CONTAINERS = (list, tuple, dict, set, frozenset, Namespace)
@@ -130,6 +128,8 @@ def _size(value, limit: int = MAX_RENDERED_CHARS) -> tuple[int, int]:
         for k in kids:
             if isinstance(k, _TEXT):
                 size += len(k)
+            elif isinstance(k, int):
+                size += k.bit_length() * 30103 // 100000  # its decimal digits, less one
             elif isinstance(k, _CONTAINERS):
                 ks, kd = done.get(id(k), (1, 0))
                 size += ks
@@ -170,20 +170,59 @@ def _check_text_method(s, name: str, args: tuple, kwargs: dict):
         _too_long(len(s) + s.count("\t" if isinstance(s, str) else b"\t") * size, f"expandtabs({size})")
     elif name == "replace" and len(args) >= 2:
         _check_replace(s, *args[:3], what=f"{type(s).__name__}.replace")
-    elif name == "translate" and isinstance(s, str) and args and isinstance(args[0], dict):
-        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+    elif name == "translate" and isinstance(s, str) and args and isinstance(args[0], (dict, list, tuple)):
+        table = args[0].values() if isinstance(args[0], dict) else args[0]
+        longest = max((len(v) for v in table if isinstance(v, str)), default=1)
         _too_long(len(s) * longest, "str.translate")
 
 
-def _check_percent(fmt: str, args=None):
-    """Refuse ``fmt % args`` whose widths or precisions (``%999d``, ``%(a)999s``, ``%*s``) pass the limit."""
+def _percent_numbers(fmt: str):
+    """The widths and precisions (digit strings, or ``*``) of the %-conversions of ``fmt``, parsed as
+    Python does: a ``%(key)`` mapping key may hold nested parentheses."""
+    i, n = 0, len(fmt)
+    while True:
+        i = fmt.find("%", i)
+        if i < 0 or i + 1 >= n:
+            return
+        i += 1
+        if fmt[i] == "%":
+            i += 1
+            continue
+        if fmt[i] == "(":
+            depth = 0
+            while i < n:
+                depth += {"(": 1, ")": -1}.get(fmt[i], 0)
+                i += 1
+                if depth == 0:
+                    break
+        while i < n and fmt[i] in "-#0 +":
+            i += 1
+        for _ in range(2):  # width, then precision after a "."
+            j = i
+            if i < n and fmt[i] == "*":
+                i += 1
+            else:
+                while i < n and fmt[i].isdigit():
+                    i += 1
+            if i > j:
+                yield fmt[j:i]
+            if i < n and fmt[i] == ".":
+                i += 1
+            else:
+                break
+
+
+def _check_percent(fmt, args=None):
+    """Refuse ``fmt % args`` (a str or bytes ``fmt``) whose widths or precisions (``%999d``,
+    ``%(a)999s``, ``%((a))999s``, ``%*s``) pass the limit."""
+    if isinstance(fmt, (bytes, bytearray)):
+        fmt = fmt.decode("latin-1")
     star = False
-    for m in _PERCENT_SPEC.finditer(fmt):
-        for w in m.groups():
-            if w == "*":
-                star = True
-            elif w:
-                _too_long(int(w), f"format width {w}")
+    for w in _percent_numbers(fmt):
+        if w == "*":
+            star = True
+        else:
+            _too_long(int(w), f"format width {w}")
     if star and isinstance(args, tuple):
         for a in args:
             _too_long(_int(a), f"format width {a} (from *)")
@@ -254,7 +293,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
                 if abs(left).bit_length() * right > MAX_POWER_BITS:
                     raise TemplateLimitError(f"{left} ** {right} passes {MAX_POWER_BITS} bits")
-        elif operator == "%" and isinstance(left, str):
+        elif operator == "%" and isinstance(left, _TEXT):
             _check_percent(left, right)
         return self._size_checked(super().call_binop(context, operator, left, right))
 
@@ -266,7 +305,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 raise TemplateLimitError(f"the render made more than {MAX_CALLS:,} calls")
             budget.tick_time()
         owner = getattr(__obj, "__self__", None)
-        if isinstance(owner, _TEXT) and not isinstance(owner, type):
+        if isinstance(owner, int) and getattr(__obj, "__name__", "") == "to_bytes":
+            length = args[0] if args else kwargs.get("length", 1)
+            _too_long(_int(length), f"int.to_bytes({length})")
+        elif isinstance(owner, _TEXT) and not isinstance(owner, type):
             name = __obj.__name__
             if name == "join" and args:
                 args = (_materialized(args[0], f"{type(owner).__name__}.join"), *args[1:])
@@ -304,6 +346,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                 raise TemplateLimitError(f"a {type(value).__name__} of {len(value):,} items passes {MAX_RENDERED_CHARS:,}")
         elif isinstance(value, _CONTAINERS):
             _size(value)
+        elif isinstance(value, int) and value.bit_length() > MAX_POWER_BITS:
+            raise TemplateLimitError(f"an integer of {value.bit_length():,} bits passes {MAX_POWER_BITS} bits")
         return value
 
     @jinja2.pass_context
@@ -351,8 +395,15 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         """The template of ``source`` with every loop, value and written piece guarded.
 
         Raises:
-            jinja2.TemplateSyntaxError: ``source`` does not parse.
+            jinja2.TemplateSyntaxError: ``source`` does not parse, or nests too deeply for jinja2's
+                parser or Python's compiler (3,000 chained ``+``, 120 nested ``{% if %}``).
         """
+        try:
+            return self._compile_guarded(source)
+        except (RecursionError, SyntaxError, MemoryError) as e:  # IndentationError is a SyntaxError
+            raise jinja2.TemplateSyntaxError(f"it nests too deeply to compile ({type(e).__name__})", 1) from None
+
+    def _compile_guarded(self, source: str):
         tree = self.parse(source)
         nodes = jinja2.nodes
         for node in list(tree.find_all(nodes.Node)):
@@ -379,6 +430,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             self.filters[name] = _checked(self.filters[name], check)
         self.globals["lipsum"] = _checked(self.globals["lipsum"], _check_lipsum)
         self.filters["sum"] = _bounded_sum(self.filters["sum"])
+        for name in _LAZY_FILTERS:
+            self.filters[name] = _ticking_filter(self.filters[name])
         self.set_tojson(self.filters["tojson"])
         self.filters["join"] = _bounded_join(self.filters["join"])
         self.filters["mff_guard_size"] = self.guard_size
@@ -452,11 +505,14 @@ def _check_slice(value, slices, fill_with=None):
     _too_long(_int(slices), f"slice({slices})")
 
 
-def _check_tojson(value, indent=None, **_):
+def _check_tojson(value, indent=None, separators=None, **_):
     size, depth = _size(value)
-    if indent is not None:
-        width = len(indent) if isinstance(indent, str) else _int(indent)
-        _too_long((size + 1) * (2 + depth * width), f"tojson(indent={indent})")
+    if indent is None and separators is None:
+        return  # at most a few characters per item and character: checked on its result
+    width = 0 if indent is None else len(indent) if isinstance(indent, str) else _int(indent)
+    gaps = sum(len(x) for x in separators if isinstance(x, str)) if isinstance(separators, (list, tuple)) else 2
+    what = f"tojson(indent={indent})" if separators is None else f"tojson(indent={indent}, separators of {gaps} characters)"
+    _too_long((size + 1) * (2 + depth * width + gaps), what)
 
 
 def _checked_tojson(f):
@@ -470,7 +526,7 @@ def _checked_tojson(f):
     @functools.wraps(f)
     def tojson(*args, **kwargs):
         bound = signature.bind(*args, **kwargs).arguments
-        _check_tojson(*list(bound.values())[skip:skip + 1], indent=bound.get("indent"))
+        _check_tojson(*list(bound.values())[skip:skip + 1], indent=bound.get("indent"), separators=bound.get("separators"))
         return f(*args, **kwargs)
 
     return tojson
@@ -489,6 +545,31 @@ _FILTER_CHECKS = {
     "format": _check_format_filter, "center": _check_center, "indent": _check_indent,
     "wordwrap": _check_wordwrap, "batch": _check_batch, "slice": _check_slice, "replace": _check_replace_filter,
 }
+
+
+_LAZY_FILTERS = ("map", "select", "reject", "selectattr", "rejectattr")
+
+
+def _ticking_filter(f):
+    """A filter ``f`` that returns an iterator, its items read with the render's clock checked
+    every 1,024 items (a chain of them, pulled by one ``|list``, is one long call otherwise)."""
+
+    @functools.wraps(f)
+    def ticking(*args, **kwargs):
+        return _ticking(f(*args, **kwargs))
+
+    return ticking
+
+
+def _ticking(items):
+    budget = _budget.get()
+    if budget is None:
+        yield from items
+        return
+    for i, item in enumerate(items):
+        if not i & 1023:
+            budget.tick_time()
+        yield item
 
 
 def _bounded_join(f):
@@ -556,12 +637,13 @@ def render_bounded(template, variables: dict[str, Any], what: str) -> str:
             pieces.append(piece)
         return "".join(pieces)
     except TemplateLimitError as e:
-        raise TemplateRenderError(f"{what} went past a limit: {e} (see mff.data.jinja_sandbox)") from None
+        why = f"went past a limit: {e} (see mff.data.jinja_sandbox)"
     except jinja2.exceptions.SecurityError as e:
-        raise TemplateRenderError(f"{what} tried something the sandbox forbids: {e}") from None
+        why = f"tried something the sandbox forbids: {e}"
     except jinja2.TemplateError as e:
-        raise TemplateRenderError(f"{what} raised an error: {e}") from None
+        why = f"raised an error: {e}"
     except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError, MemoryError) as e:
-        raise TemplateRenderError(f"{what} fails: {type(e).__name__}: {e}") from None
+        why = f"fails: {type(e).__name__}: {e}"
     finally:
         _budget.reset(token)
+    raise TemplateRenderError(f"{what} " + " ".join(why.splitlines()))
