@@ -64,6 +64,8 @@ def _corrupt(meta: dict, how: str) -> dict:
     elif how.startswith("run."):
         key, value = {"run.optim": ("optim", "adamw"), "run.seq_len": ("seq_len", "32"), "run.precision": ("precision", 7)}[how]
         meta["run"] = dict(meta["run"], **{key: value})
+    elif how == "config NaN":
+        meta["config"] = dict(meta["config"], rope_parameters=dict(meta["config"]["rope_parameters"], rope_theta=float("nan")))
     elif how == "config field":
         meta["config"] = dict(meta["config"], hidden_size=[meta["config"]["hidden_size"]])
     return meta
@@ -80,6 +82,7 @@ def _corrupt(meta: dict, how: str) -> dict:
     ("run.optim", "is corrupt: run.optim is 'adamw', expected the optimizer options (a map)"),
     ("run.seq_len", "is corrupt: run.seq_len is '32', expected a sequence length"),
     ("run.precision", "is corrupt: run.precision is 7, expected a precision name"),
+    ("config NaN", "is corrupt: config.rope_parameters.rope_theta is nan, expected a finite number"),
     ("config field", "is corrupt: config.hidden_size is [64] (list), expected a number like this run's 64"),
 ])
 def test_a_corrupt_meta_on_resume_is_one_line_naming_the_previous_step(trained, tmp_path, how, needle):

@@ -4,6 +4,7 @@ plain data, the RNG states, and the model config a checkpoint was made for."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,8 @@ def check_run_meta(meta: dict, where: Path, config: Any) -> None:
     model config it records have the wrong type (a corrupt or hand-edited file): each of
     ``run.seq_len``/``steps``/``batch_size`` an int, ``run.precision`` a string, ``run.optim`` a
     map with a string ``name``, ``data.position`` an int in ``[0, 2**62)``, and each ``config`` field of the type this run's config has
-    (an int where it has an int or a float, a list where it has a list, ...; None is allowed)."""
+    (an int where it has an int or a float, a list where it has a list, ...; None is allowed),
+    every number in ``config`` finite and every int within +-2**53."""
     run = meta["run"]
     for key, kind, what in _RUN_TYPES:
         value = run.get(key)
@@ -82,6 +84,23 @@ def check_run_meta(meta: dict, where: Path, config: Any) -> None:
         if not isinstance(saved, expected) or (isinstance(saved, bool) and type(now) is not bool):
             raise CheckpointError(f"{where} is corrupt: config.{key} is {saved!r:.60} ({type(saved).__name__}), "
                                        f"expected {_KIND_NAMES[type(now)]} like this run's {now!r:.60}")
+    for key, value in _numbers(meta["config"], "config"):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CheckpointError(f"{where} is corrupt: {key} is {value}, expected a finite number")
+        if isinstance(value, int) and not -(2**53) < value < 2**53:
+            raise CheckpointError(f"{where} is corrupt: {key} is {value}, past any model size")
+
+
+def _numbers(tree, path: str):
+    """``(dotted path, number)`` for every int or float (not bool) in a nested map/list."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _numbers(v, f"{path}.{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _numbers(v, f"{path}[{i}]")
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        yield path, tree
 
 
 def run_recipe(meta: dict) -> str:
