@@ -12,8 +12,8 @@ twin computes the result instead and the reason is printed once per op and reaso
 
 None of this has run on an NPU in this project: the contracts are checked in CPU CI through a
 stand-in module (``tests/npu_standin.py``) that raises where the documented kernel would and
-computes with independent reference math. ``scripts/npu_check.py`` runs the same parity tests on
-a real device.
+computes with independent reference math. A checklist script that runs the parity tests on a real
+device is still to be written (issue 16).
 """
 
 from __future__ import annotations
