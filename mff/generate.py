@@ -119,7 +119,8 @@ def generate(
     dtype = params["model.embed_tokens.weight"].dtype
     capacity = cache_bucket(T + max_new_tokens, limit) if compile else T + max_new_tokens
     cache = model.init_cache(B, capacity, dtype=dtype, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    # greedy decoding draws nothing: no generator (a device without torch.Generator support still decodes)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None and not sampling.greedy else None
     seen = seen_mask_from_ids(input_ids.masked_fill(~attention_mask, -1), V) if sampling.repetition_penalty != 1.0 else None
 
     chunk = prefill_chunk or T

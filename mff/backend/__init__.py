@@ -10,8 +10,8 @@ environment is filled with ``RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.
 ``MASTER_PORT``; under ``torchrun`` its variables are used as they are.
 
 Fused ops go through :data:`ops`, a small table filled per device: on an NPU the guarded
-``torch_npu`` kernels of :mod:`mff.backend.npu` (``npu_rms_norm``, ``npu_grouped_matmul``,
-``npu_swiglu``), pure torch otherwise. The NPU entries are written against torch_npu's
+``torch_npu`` kernels of :mod:`mff.backend.npu` (RMSNorm, grouped matmul, SwiGLU, fusion
+attention, rotary, MoE token permute), pure torch otherwise. The NPU entries are written against torch_npu's
 documented signatures and limits but have not run on an NPU in this project: CPU CI checks them
 through a stand-in module that enforces the documented contracts (``tests/npu_standin.py``).
 """
@@ -40,6 +40,7 @@ __all__ = [
     "DistInfo",
     "resolve_device",
     "init_distributed",
+    "local_device",
     "comm_backend",
     "ops",
     "select_ops",
@@ -193,6 +194,26 @@ class DistInfo:
     backend: str
 
 
+def local_device(device_type: str) -> torch.device:
+    """This process's device, made current, with the op table filled for it: ``LOCAL_RANK``'s GPU
+    or NPU (``torch.cuda.set_device`` / ``torch.npu.set_device``, which torch_npu needs before any
+    process group or mesh; ``ASCEND_RT_VISIBLE_DEVICES`` / ``CUDA_VISIBLE_DEVICES`` decide which
+    physical device that index is), or the CPU. Used by :func:`init_distributed` and by the
+    single-process recipes (generate, eval)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    elif device_type == "npu":
+        _import_torch_npu()
+        torch.npu.set_device(local_rank)
+        device = torch.device("npu", local_rank)
+    else:
+        device = torch.device("cpu")
+    select_ops(device_type)
+    return device
+
+
 def init_distributed(device_type: str, timeout_s: float = 1800.0) -> DistInfo:
     """Initialise (or reuse) the default process group for ``device_type``.
 
@@ -212,20 +233,11 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> DistInfo:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    elif device_type == "npu":
-        _import_torch_npu()
-        torch.npu.set_device(local_rank)
-        device = torch.device("npu", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = local_device(device_type)
     backend = comm_backend(device_type)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
         set_timeout(timeout_s)
-    select_ops(device_type)
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -310,18 +322,32 @@ class OpTable:
 
     - ``rms_norm(x [..., D], weight [D], eps) -> [..., D]``;
     - ``grouped_mm(x [N, D], w [E, D, F], counts: E ints summing to N) -> [N, F]``;
-    - ``swiglu(x [..., 2F]) -> [..., F]``: ``silu(gate) * up`` on gate-first halves.
+    - ``swiglu(x [..., 2F]) -> [..., F]``: ``silu(gate) * up`` on gate-first halves;
+    - ``attention(q [B, T, H, D], k [B, S, K, D], v [B, S, K, E], scale, mask, twin) -> [B, T, H, E]``
+      or None: None is mff's torch attention (:func:`mff.nn.attention.causal_attention`), which
+      an entry takes as ``twin`` where its kernel cannot run;
+    - ``rope(x [B, T, H, D], cos [B, T, R], sin [B, T, R], layout, twin) -> [B, T, H, D]`` or None
+      (:func:`mff.nn.rope.apply_rope`, likewise);
+    - ``moe_permute(x [N, D], idx [N, K]) -> (x [N*K, D], sorted_indices [N*K])`` and
+      ``moe_unpermute(y [N*K, D], sorted_indices, w [N, K]) -> [N, D]``, or None: the token slots
+      sorted by expert and combined back (None: :mod:`mff.nn.moe`'s own index path).
     """
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm_torch
     grouped_mm: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor] = grouped_mm_loop
     swiglu: Callable[[torch.Tensor], torch.Tensor] = swiglu_torch
+    attention: Callable | None = None
+    rope: Callable | None = None
+    moe_permute: Callable | None = None
+    moe_unpermute: Callable | None = None
     names: dict[str, str] | None = None
 
 
-ops = OpTable(names={"rms_norm": "torch", "grouped_mm": "loop", "swiglu": "torch"})
+_TORCH_NAMES = {"rms_norm": "torch", "swiglu": "torch", "attention": "torch", "rope": "torch", "moe_permute": "torch"}
+ops = OpTable(names=dict(_TORCH_NAMES, grouped_mm="loop"))
 
-_NPU_NAMES = {"rms_norm": "npu_rms_norm", "grouped_mm": "npu_grouped_matmul", "swiglu": "npu_swiglu"}
+_NPU_NAMES = {"rms_norm": "npu_rms_norm", "grouped_mm": "npu_grouped_matmul", "swiglu": "npu_swiglu",
+              "attention": "npu_fusion_attention", "rope": "npu_rotary_mul", "moe_permute": "npu_moe_token_permute"}
 
 
 def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, grouped_mm: str = "auto",
@@ -330,7 +356,8 @@ def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, 
 
     npu with torch_npu importable (or ``torch_npu_module``, a stand-in for tests): the guarded
     kernels of :mod:`mff.backend.npu` (``npu_rms_norm``, ``npu_grouped_matmul``,
-    ``npu_swiglu``) for the ops ``MFF_NPU_FUSED`` (read from ``env``, default ``os.environ``)
+    ``npu_swiglu``, ``npu_fusion_attention``, ``npu_rotary_mul``, ``npu_moe_token_permute`` /
+    ``unpermute``) for the ops ``MFF_NPU_FUSED`` (read from ``env``, default ``os.environ``)
     keeps fused, the torch twin for the others. Elsewhere the pure torch RMSNorm and SwiGLU,
     and ``torch._grouped_mm`` when a probe forward+backward runs on this device
     (``grouped_mm="auto"``), the per-expert loop otherwise; ``grouped_mm`` may force
@@ -343,7 +370,8 @@ def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, 
         raise ValueError(f"grouped_mm={grouped_mm!r}; expected auto, fused or loop")
     npu = torch_npu_module if torch_npu_module is not None else (_import_torch_npu() if device_type == "npu" else None)
     ops.rms_norm, ops.swiglu = rms_norm_torch, swiglu_torch
-    ops.names = {"rms_norm": "torch", "swiglu": "torch"}
+    ops.attention = ops.rope = ops.moe_permute = ops.moe_unpermute = None
+    ops.names = dict(_TORCH_NAMES)
     if device_type == "npu" and npu is not None:
         wanted = npu_ops.fused_ops_wanted(env)
         kernels = npu_ops.npu_kernels(npu, rms_norm_torch, grouped_mm_loop)
@@ -352,6 +380,8 @@ def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, 
             if name in wanted:
                 setattr(ops, name, kernels[name])
                 ops.names[name] = _NPU_NAMES[name]
+        if "moe_permute" in wanted:
+            ops.moe_unpermute = kernels["moe_unpermute"]
         return ops
     use_fused = grouped_mm == "fused" or (grouped_mm == "auto" and _grouped_mm_runs(device_type if device_type != "npu" else "cpu"))
     ops.grouped_mm = grouped_mm_fused if use_fused else grouped_mm_loop

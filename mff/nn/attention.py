@@ -10,7 +10,9 @@ Masks are boolean, True where query i may attend key j:
   preallocated cache, so a decode step has the same shapes at every position (one compiled graph).
 
 A query row with no visible key (a padding position) gives 0, never NaN. Computed by
-``F.scaled_dot_product_attention``; value and query/key head dims may differ (MLA).
+``F.scaled_dot_product_attention``; value and query/key head dims may differ (MLA). On an NPU the
+op table's ``attention`` entry (``torch_npu.npu_fusion_attention``, :mod:`mff.backend.npu_attention`)
+computes it instead, with this torch path as its fallback.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention", "repeat_kv"]
+from mff.backend import ops
+
+__all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention", "attention_torch", "repeat_kv"]
 
 
 def document_causal_mask(document_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -65,8 +69,17 @@ def causal_attention(
 
     Few queries (decoding, T <= 16) take a plain einsum/softmax path over the grouped heads,
     which on CPU is far faster than SDPA with a mask at that size; otherwise
-    ``F.scaled_dot_product_attention``.
+    ``F.scaled_dot_product_attention``. With an NPU op table, ``ops.attention`` (the fused kernel,
+    this function's torch path where the kernel's limits are not met).
     """
+    if ops.attention is not None:
+        return ops.attention(q_BTHD, k_BSKD, v_BSKE, scale, mask_B1TS, attention_torch)
+    return attention_torch(q_BTHD, k_BSKD, v_BSKE, scale, mask_B1TS)
+
+
+def attention_torch(q_BTHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKE: torch.Tensor, scale: float,
+                    mask_B1TS: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`causal_attention` in plain torch, whatever the op table holds (the NPU entry's twin)."""
     B, T, H, _ = q_BTHD.shape
     K = k_BSKD.shape[2]
     n_rep = H // K

@@ -220,9 +220,13 @@ def _grouped_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tenso
     Returns ``(y [N, D], counts [E] int64)``."""
     K = idx_NK.shape[1]
     flat = idx_NK.reshape(-1)
+    counts_E = torch.bincount(flat, minlength=gate_up_EFD.shape[0])
+    if ops.moe_permute is not None:  # an NPU: npu_moe_token_permute / unpermute, same stable order
+        x_SD, sorted_indices = ops.moe_permute(x_ND, idx_NK)
+        y_SD = _expert_mlp(x_SD, gate_up_EFD, down_EDI, counts_E.tolist(), *lora)
+        return ops.moe_unpermute(y_SD, sorted_indices, w_NK).to(x_ND.dtype), counts_E
     order = torch.argsort(flat, stable=True)
     token_of_slot = order // K
-    counts_E = torch.bincount(flat, minlength=gate_up_EFD.shape[0])
     y_SD = _expert_mlp(x_ND[token_of_slot], gate_up_EFD, down_EDI, counts_E.tolist(), *lora)  # tolist: host sync for the group sizes
     return _combine(y_SD, w_NK, order, token_of_slot, x_ND), counts_E
 

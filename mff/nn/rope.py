@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from mff.backend import ops
+
 __all__ = ["RopeParameters", "yarn_get_mscale", "rope_inv_freq", "rotary_dim", "yarn_softmax_scale", "rope_cos_sin", "apply_rope"]
 
 
@@ -178,14 +180,22 @@ def apply_rope(
     The first R dims of each head rotate and the remaining D - R pass through (partial rotary).
     ``layout``: ``"half"``, ``"interleave"`` or ``"pairs"`` (module docstring); the legacy
     ``interleave=True`` means ``"interleave"``. Raises ValueError for another layout or R > D.
+    With an NPU op table, ``ops.rope`` (``torch_npu.npu_rotary_mul`` on the R rotating dims, this
+    torch path where the kernel's limits are not met).
     """
     layout = layout or ("interleave" if interleave else "half")
+    if ops.rope is not None:
+        return ops.rope(x_BTHD, cos_BTR, sin_BTR, layout, _apply_rope_torch)
+    return _apply_rope_torch(x_BTHD, cos_BTR, sin_BTR, layout)
+
+
+def _apply_rope_torch(x_BTHD: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, layout: str) -> torch.Tensor:
     R = cos_BTR.shape[-1]
     if R > x_BTHD.shape[-1]:
         raise ValueError(f"rotary dim {R} exceeds the head dim {x_BTHD.shape[-1]}")
     if R < x_BTHD.shape[-1]:
         x_rot, x_pass = x_BTHD[..., :R], x_BTHD[..., R:]
-        return torch.cat((apply_rope(x_rot, cos_BTR, sin_BTR, layout=layout), x_pass), dim=-1)
+        return torch.cat((_apply_rope_torch(x_rot, cos_BTR, sin_BTR, layout), x_pass), dim=-1)
     x_BTHR = x_BTHD
     cos, sin = cos_BTR.unsqueeze(2), sin_BTR.unsqueeze(2)
     if layout == "pairs":

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import tyro
 
-from mff.backend import init_distributed, resolve_device
+from mff.backend import init_distributed, local_device, resolve_device
 from mff.recipes.common import is_rank0, run_recipe_main
 
 __all__ = ["EvalConfig", "run", "main", "format_table"]
@@ -168,7 +168,7 @@ def run(cfg: EvalConfig):
     tasks = loaded
     device_type = resolve_device(cfg.device)
     info = init_distributed(device_type) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
-    device = info.device if info is not None else torch.device(device_type)
+    device = info.device if info is not None else local_device(device_type)
     model, params, text = load_with_text(cfg.ckpt, device, DTYPES[cfg.dtype], adapter=cfg.adapter, tokenizer=cfg.tokenizer)
     lm = LanguageModel(model, params, text.tokenizer, text.bos_token, text.eos_token, list(text.eos_ids), batch_size=cfg.batch_size,
                        max_length=cfg.max_length, seed=cfg.seed)

@@ -53,7 +53,7 @@ from mff.recipes.common import config_to_dict, parse_model_args, print0, run_tra
 from mff.recipes.init_from import apply_init
 from mff.recipes.mindformers_yaml import FLAG as MF_YAML_FLAG
 from mff.recipes.mindformers_yaml import expand_argv as expand_mindformers_argv
-from mff.train.config import TrainConfig
+from mff.train.config import TrainConfig, fit_default_precision
 from mff.train.loop import Loop, check_train_config, memory_check, print_run_header, rank_slices, resumable, resume, train_loop
 from mff.train.metrics import device_peak_flops
 from mff.train.precision import compute_dtype, param_dtype
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                                           base=init.base if init is not None else None)
         if init is None:  # --help: parse_model_args printed it and exited
             return 0
-        return run(cfg, family, init, args)
+        return run(fit_default_precision(cfg, args, resolve_device(cfg.device)), family, init, args)
 
     return run_training_main(body)
 

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 import tyro
 
-from mff.backend import resolve_device
+from mff.backend import local_device, resolve_device
 from mff.ckpt.tokenizer_files import read_chat_template_file
 from mff.data.chat import render_chat_template
 from mff.decode_timing import break_even_tokens, read_record, record_path, update_record
@@ -112,7 +112,7 @@ def run(cfg: GenerateConfig) -> str:
         if cfg.threads < 1:
             raise ValueError(f"--threads {cfg.threads} must be >= 1")
         torch.set_num_threads(cfg.threads)
-    device = torch.device(resolve_device(cfg.device))
+    device = local_device(resolve_device(cfg.device))
     model, params, text = _load(cfg, device)
     if cfg.chat:
         if template is None and not text.chat_template:

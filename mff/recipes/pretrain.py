@@ -37,7 +37,7 @@ from mff.recipes.common import config_to_dict, parse_model_args, print0, run_tra
 from mff.recipes.init_from import apply_init, prepare_init, save_tokenizer
 from mff.recipes.mindformers_yaml import FLAG as MF_YAML_FLAG
 from mff.recipes.mindformers_yaml import expand_argv as expand_mindformers_argv
-from mff.train.config import TrainConfig, fit_default_warmup
+from mff.train.config import TrainConfig, fit_default_precision, fit_default_warmup
 from mff.train.loop import Loop, check_train_config, memory_check, print_run_header, rank_slices, resumable, resume, train_loop
 from mff.train.metrics import device_peak_flops
 from mff.train.precision import param_dtype
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         args = expand_mindformers_argv(argv) if any(a == MF_YAML_FLAG or a.startswith(MF_YAML_FLAG + "=") for a in argv) else argv
         base, init_params, tokenizer = prepare_init(args, PretrainConfig.__dataclass_fields__["ckpt_dir"].default)
         family, size, cfg = parse_model_args(PretrainConfig, args, prog="python -m mff.recipes.pretrain", description=__doc__, base=base)
-        cfg = fit_default_warmup(cfg, args)
+        cfg = fit_default_precision(fit_default_warmup(cfg, args), args, resolve_device(cfg.device))
         if tokenizer is not None and cfg.data.tokenizer is None:
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer))
         return run(cfg, family, size, init_params)

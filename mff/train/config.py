@@ -11,7 +11,7 @@ from typing import Generic, Literal, TypeVar
 from mff.optim import OptimConfig
 from mff.parallel import ParallelConfig
 
-__all__ = ["TrainConfig", "MetricsConfig", "fit_default_warmup", "flag_given"]
+__all__ = ["TrainConfig", "MetricsConfig", "fit_default_warmup", "fit_default_precision", "flag_given"]
 
 C = TypeVar("C")
 
@@ -65,7 +65,7 @@ class TrainConfig(Generic[C]):
     threads: int | None = None
     """torch CPU threads; default on CPU: the cores this process may use, split between the machine's torchrun processes, no more than the load average leaves free (printed at start)."""
     precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
-    """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state)."""
+    """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state). Not given on an NPU: bf16-mixed."""
     ac: Literal["none", "full", "selective"] = "none"
     """Activation checkpointing per block: none, full (recompute the whole block in the backward) or selective (keep matmul and attention outputs, recompute the rest)."""
     compile: bool = False
@@ -90,3 +90,12 @@ def fit_default_warmup(cfg: TrainConfig, argv: Sequence[str]) -> TrainConfig:
     if flag_given(argv, "--optim.warmup-steps") or cfg.optim.warmup_steps <= cfg.steps:
         return cfg
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, warmup_steps=cfg.steps // 2))
+
+
+def fit_default_precision(cfg: TrainConfig, argv: Sequence[str], device_type: str) -> TrainConfig:
+    """``cfg`` with bf16-mixed precision on an NPU when ``--precision`` was not given (what
+    MindFormers runs on Ascend: bf16 compute, fp32 params; the NPU's matrix units have no fast
+    fp32 path). Given on the command line, or on another device, the precision is kept."""
+    if device_type != "npu" or flag_given(argv, "--precision"):
+        return cfg
+    return dataclasses.replace(cfg, precision="bf16-mixed")

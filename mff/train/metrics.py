@@ -22,8 +22,13 @@ PEAK_FLOPS = {
     "A100": 312e12,
     "A800": 312e12,
     "L40S": 362e12,
-    "910B": 313e12,  # Ascend 910B (unverified in this project)
-    "910C": 626e12,  # Ascend 910C (unverified in this project)
+    # Ascend, by the SoC name torch.npu.get_device_name reports: dense fp16/bf16 figures as publicly
+    # cited for these parts (approximate; not measured in this project, which has had no NPU)
+    "Ascend910B4": 280e12,  # Atlas 800I A2 class
+    "Ascend910B": 313e12,  # Atlas 800T A2 (910B1-B3): 2.5 PFLOPS fp16 per 8-NPU server
+    "Ascend910_93": 376e12,  # Atlas 900 A3 SuperPoD: one 910C die (torch_npu sees each die as a device)
+    "910B": 313e12,
+    "910C": 376e12,
 }
 
 
@@ -58,7 +63,7 @@ def device_peak_flops(device: torch.device, measure_cpu: bool = True) -> tuple[f
             name = "npu"
     for key, peak in PEAK_FLOPS.items():
         if key in name:
-            return peak, f"{name} bf16 data sheet"
+            return peak, f"{name} bf16 {'cited figure, unverified' if device.type == 'npu' else 'data sheet'}"
     if not measure_cpu:
         return float("nan"), name
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
