@@ -58,6 +58,16 @@ def test_grouped_mm_fused_equals_loop(counts):
         torch.testing.assert_close(a, b)
 
 
+def test_grouped_mm_fused_takes_the_loop_for_dtypes_the_kernel_rejects():
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5]
+    x = torch.randn(8, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 8, 4, generator=g, dtype=torch.float64)  # torch._grouped_mm raises on float64
+    torch.testing.assert_close(backend.grouped_mm_fused(x, w, counts), backend.grouped_mm_loop(x, w, counts))
+    ref = torch.cat([x[:3] @ w[0], x[3:] @ w[2]])
+    torch.testing.assert_close(backend.grouped_mm_fused(x, w, counts), ref)
+
+
 def test_experts_match_plain_loop():
     torch.manual_seed(0)
     E, D, I, N, K = 4, 8, 12, 10, 2

@@ -92,6 +92,18 @@ def test_a_call_outside_the_kernel_limits_takes_the_twin_announced_once(npu, cap
     assert first is not None
 
 
+def test_reasons_that_differ_only_in_numbers_are_announced_once(npu, capsys):
+    for S in (5, 6, 7):  # as a maskless decode over a growing cache would
+        causal_attention(*_qkv(1, 2, 4, 2, 32, S=S), 0.1)
+    assert sorted(why for _, why in npu_ops.fallbacks.seen) == [
+        f"a causal call of 2 queries over {S} keys without a mask" for S in (5, 6, 7)]
+    err = capsys.readouterr().err
+    assert err.count("mff: attention takes the torch twin on this NPU: ") == 1 and "over 5 keys" in err
+    npu_ops.fallbacks.clear()
+    causal_attention(*_qkv(1, 2, 4, 2, 32, S=8), 0.1)
+    assert "over 8 keys" in capsys.readouterr().err  # clear() forgets what was announced
+
+
 def test_the_standin_rejects_what_the_kernel_rejects():
     m = make_standin()
     with pytest.raises(KernelContractError, match="odd"):
@@ -108,9 +120,12 @@ def test_mff_npu_fused_chooses_the_kernels(npu):
     names = backend.select_ops("npu", torch_npu_module=npu, env={"MFF_NPU_FUSED": "attention,moe_permute"}).names
     assert [k for k, v in names.items() if v.startswith("npu_")] == ["attention", "moe_permute"]
     assert backend.ops.moe_unpermute is not None and backend.ops.rope is None
-    with pytest.raises(ValueError, match=r"MFF_NPU_FUSED='flash': unknown op flash; expected 0, 1 or a comma list of "
-                                         r"rms_norm, grouped_mm, swiglu, attention, rope, moe_permute"):
+    with pytest.raises(ValueError, match=r"MFF_NPU_FUSED='flash': unknown op flash; expected 1 \(or all\), 0 \(or none\) "
+                                         r"or a comma list of rms_norm, grouped_mm, swiglu, attention, rope, moe_permute"):
         backend.select_ops("npu", torch_npu_module=npu, env={"MFF_NPU_FUSED": "flash"})
+    assert set(backend.select_ops("npu", torch_npu_module=npu, env={"MFF_NPU_FUSED": "none"}).names.values()) == {"torch", "loop"}
+    assert len([v for v in backend.select_ops("npu", torch_npu_module=npu, env={"MFF_NPU_FUSED": "all"}).names.values()
+                if v.startswith("npu_")]) == 6
 
 
 

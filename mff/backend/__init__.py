@@ -148,8 +148,8 @@ def resolve_device(flag: str | None = None, env: dict[str, str] | None = None) -
         torch_npu = _import_torch_npu()
         if torch_npu is None:
             raise DeviceUnavailable(
-                f"{source}: torch_npu is not installed; install the Ascend CANN toolkit and "
-                "`pip install 'mff[npu]'` (torch_npu matching your torch version), or use --device cpu"
+                f"{source}: torch_npu is not installed; install the Ascend CANN toolkit, then "
+                "`pip install -e '.[npu]'` in the mff checkout (torch_npu matching your torch version), or use --device cpu"
             )
         if _npu_count(torch_npu) == 0:
             raise DeviceUnavailable(f"{source}: torch_npu imports but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)")
@@ -291,11 +291,12 @@ def _aligned16(t: torch.Tensor) -> bool:
 def grouped_mm_fused(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The same product through ``torch._grouped_mm`` (one kernel for all experts).
 
-    ``torch._grouped_mm`` needs strides that are multiples of 16 bytes; other shapes take the
-    per-expert loop. It also rejects a non-contiguous output gradient in its backward (seen on
+    ``torch._grouped_mm`` takes float32, bfloat16 or float16 (one dtype for both) with strides
+    that are multiples of 16 bytes; other dtypes and shapes take the per-expert loop. It also rejects a non-contiguous output gradient in its backward (seen on
     torch 2.13 CPU), so the output's gradient is made contiguous by a hook.
     """
-    if not (_aligned16(x_ND) and _aligned16(w_EDF) and (w_EDF.shape[-1] * w_EDF.element_size()) % 16 == 0):
+    if not (x_ND.dtype == w_EDF.dtype and x_ND.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and _aligned16(x_ND) and _aligned16(w_EDF) and (w_EDF.shape[-1] * w_EDF.element_size()) % 16 == 0):
         return grouped_mm_loop(x_ND, w_EDF, counts)
     offs = torch.tensor(counts, device=x_ND.device, dtype=torch.int64).cumsum(0).to(torch.int32)
     return _contiguous_grad(torch._grouped_mm(x_ND, w_EDF, offs=offs))

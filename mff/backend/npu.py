@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import weakref
 from collections.abc import Callable, Mapping
@@ -119,26 +120,33 @@ def fused_ops_wanted(env: Mapping[str, str] | None = None) -> frozenset[str]:
     names = {n.strip() for n in raw.split(",") if n.strip()}
     unknown = sorted(names - set(NPU_OPS))
     if unknown:
-        raise ValueError(f"MFF_NPU_FUSED={raw!r}: unknown op {', '.join(unknown)}; expected 0, 1 or a comma list of "
-                         f"{', '.join(NPU_OPS)}")
+        raise ValueError(f"MFF_NPU_FUSED={raw!r}: unknown op {', '.join(unknown)}; expected 1 (or all), 0 (or none) "
+                         f"or a comma list of {', '.join(NPU_OPS)}")
     return frozenset(names)
 
 
 class Fallbacks:
-    """The (op, reason) pairs for which a guard took the twin; each is announced once on stderr."""
+    """The (op, reason) pairs for which a guard took the twin, with how often.
+
+    Each kind of reason is announced once on stderr: reasons that differ only in their numbers
+    (a mask over 137 keys, then over 138 as decoding goes on) are one kind, announced with the
+    first numbers seen; ``seen`` keeps every exact reason and its count.
+    """
 
     def __init__(self):
         self.seen: dict[tuple[str, str], int] = {}
+        self._announced: set[tuple[str, str]] = set()
 
     def take(self, op: str, reason: str) -> None:
-        key = (op, reason)
-        if key not in self.seen:
+        kind = (op, re.sub(r"\d+", "#", reason))
+        if kind not in self._announced:
             print(f"mff: {op} takes the torch twin on this NPU: {reason}", file=sys.stderr, flush=True)
-            self.seen[key] = 0
-        self.seen[key] += 1
+            self._announced.add(kind)
+        self.seen[(op, reason)] = self.seen.get((op, reason), 0) + 1
 
     def clear(self) -> None:
         self.seen.clear()
+        self._announced.clear()
 
 
 fallbacks = Fallbacks()
