@@ -123,6 +123,8 @@ def test_mff_npu_fused_chooses_the_kernels(npu):
     with pytest.raises(ValueError, match=r"MFF_NPU_FUSED='flash': unknown op flash; expected 1 \(or all\), 0 \(or none\) "
                                          r"or a comma list of rms_norm, grouped_mm, swiglu, attention, rope, moe_permute"):
         backend.select_ops("npu", torch_npu_module=npu, env={"MFF_NPU_FUSED": "flash"})
+    with pytest.raises(ValueError, match=r"MFF_NPU_FUSED='flash': unknown op flash"):
+        backend.select_ops("cpu", env={"MFF_NPU_FUSED": "flash"})  # checked off the NPU too, not ignored
     assert set(backend.select_ops("npu", torch_npu_module=npu, env={"MFF_NPU_FUSED": "none"}).names.values()) == {"torch", "loop"}
     assert len([v for v in backend.select_ops("npu", torch_npu_module=npu, env={"MFF_NPU_FUSED": "all"}).names.values()
                 if v.startswith("npu_")]) == 6

@@ -51,7 +51,6 @@ def test_resume_with_another_optimizer_is_refused(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--compile", "--ac", "selective"], "--ac selective with --compile is not supported for models with MoE layers"),
     (["--optim.schedule", "wsd", "--optim.decay-ratio", "0.9", "--steps", "10", "--optim.warmup-steps", "2"], "overlaps the 2 warmup steps"),
     (["--precision", "fp16"], "fp16"),
     (["--optim.name", "sgd"], "sgd"),

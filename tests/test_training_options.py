@@ -65,7 +65,8 @@ def test_activation_checkpointing_gives_the_plain_grads(family, ac):
     _assert_same(ref, _loss_grads(model.with_execution(ac=ac), params, batch))
 
 
-@pytest.mark.parametrize("family,ac", [("deepseek3", "none"), ("deepseek3", "full"), ("qwen3", "selective")])
+@pytest.mark.parametrize("family,ac", [("deepseek3", "none"), ("deepseek3", "full"), ("qwen3", "selective"),
+                                       ("deepseek3", "selective"), ("qwen3_moe", "selective")])
 def test_compile_gives_the_plain_grads(family, ac):
     model = _small(family)
     params = model.init(0)
@@ -76,10 +77,46 @@ def test_compile_gives_the_plain_grads(family, ac):
     assert ref is not None
 
 
-def test_selective_with_compile_refused_for_moe():
-    model = _small("deepseek3").with_execution(ac="selective", compile=True)
-    with pytest.raises(ValueError, match="--ac selective with --compile"):
-        _loss_grads(model, model.init(0), _batch())
+def test_a_compiled_moe_block_is_one_graph_and_its_expert_gemms_are_saved_by_selective_ac():
+    import torch._dynamo
+
+    from mff.nn import blocks
+
+    for family in ("qwen3_moe", "deepseek3"):
+        model = _small(family)
+        moe = model.skeleton.model.layers[1].mlp
+        params = {k.removeprefix("model.layers.1.mlp."): v for k, v in model.init(0).items() if k.startswith("model.layers.1.mlp.")}
+        x = torch.randn(2, 24, 64, requires_grad=True)
+        explained = torch._dynamo.explain(lambda x, moe=moe, params=params: torch.func.functional_call(moe, params, (x,)))(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, (family, explained.break_reasons)
+    assert torch.ops.mff.grouped_mm.default in blocks._SAVE_OPS
+    # eagerly and compiled, an expert with no rows gets zero grads from the custom op
+    from mff.nn.grouped_gemm import grouped_mm
+
+    xs = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(3, 8, 4, requires_grad=True)
+    counts = torch.tensor([2, 0, 3])
+    y = grouped_mm(xs, w, counts)
+    torch.testing.assert_close(y, torch.cat([xs[:2] @ w[0], xs[2:] @ w[2]]))
+    gx, gw = torch.autograd.grad(y.square().sum(), (xs, w))
+    rx, rw = torch.autograd.grad(torch.cat([xs[:2] @ w[0], xs[2:] @ w[2]]).square().sum(), (xs, w))
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+    assert torch.equal(gw[1], torch.zeros(8, 4))
+    torch.library.opcheck(torch.ops.mff.grouped_mm.default, (xs.detach(), w.detach(), counts))
+
+
+def test_selective_with_compile_is_refused_under_expert_parallelism():
+    from mff.parallel.mesh import ParallelConfig
+    from mff.train.config import TrainConfig
+    from mff.train.loop import check_train_config
+
+    model = _small("deepseek3")
+    cfg = TrainConfig(model=model.config, compile=True, ac="selective", parallel=ParallelConfig(ep=2), batch_size=8)
+    with pytest.raises(ValueError, match=r"--ac selective with --compile is not supported with --parallel.ep > 1"):
+        check_train_config(cfg, model, 1)
+    check_train_config(dataclasses.replace(cfg, parallel=ParallelConfig()), model, 1)  # ep 1: compiles whole
+    check_train_config(dataclasses.replace(cfg, ac="full"), model, 1)
 
 
 def test_bf16_mixed_keeps_fp32_masters_and_fp32_router():

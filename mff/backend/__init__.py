@@ -148,8 +148,9 @@ def resolve_device(flag: str | None = None, env: dict[str, str] | None = None) -
         torch_npu = _import_torch_npu()
         if torch_npu is None:
             raise DeviceUnavailable(
-                f"{source}: torch_npu is not installed; install the Ascend CANN toolkit, then "
-                "`pip install -e '.[npu]'` in the mff checkout (torch_npu matching your torch version), or use --device cpu"
+                f"{source}: torch_npu is not installed; install the Ascend CANN toolkit, then the torch_npu release of "
+                f"this torch: `pip install 'torch-npu=={torch.__version__.split('+')[0]}.*'` (an unpinned torch-npu "
+                "replaces torch with its own release), or use --device cpu"
             )
         if _npu_count(torch_npu) == 0:
             raise DeviceUnavailable(f"{source}: torch_npu imports but sees no NPU (check the driver and ASCEND_RT_VISIBLE_DEVICES)")
@@ -359,7 +360,8 @@ def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, 
     kernels of :mod:`mff.backend.npu` (``npu_rms_norm``, ``npu_grouped_matmul``,
     ``npu_swiglu``, ``npu_fusion_attention``, ``npu_rotary_mul``, ``npu_moe_token_permute`` /
     ``unpermute``) for the ops ``MFF_NPU_FUSED`` (read from ``env``, default ``os.environ``)
-    keeps fused, the torch twin for the others. Elsewhere the pure torch RMSNorm and SwiGLU,
+    keeps fused, the torch twin for the others (``MFF_NPU_FUSED`` is checked on every device,
+    used on the NPU only). Elsewhere the pure torch RMSNorm and SwiGLU,
     and ``torch._grouped_mm`` when a probe forward+backward runs on this device
     (``grouped_mm="auto"``), the per-expert loop otherwise; ``grouped_mm`` may force
     ``"fused"`` or ``"loop"``.
@@ -369,12 +371,12 @@ def select_ops(device_type: str, *, torch_npu_module: ModuleType | None = None, 
     """
     if grouped_mm not in ("auto", "fused", "loop"):
         raise ValueError(f"grouped_mm={grouped_mm!r}; expected auto, fused or loop")
+    wanted = npu_ops.fused_ops_wanted(env)  # checked on every device: a bad value is an error, not ignored
     npu = torch_npu_module if torch_npu_module is not None else (_import_torch_npu() if device_type == "npu" else None)
     ops.rms_norm, ops.swiglu = rms_norm_torch, swiglu_torch
     ops.attention = ops.rope = ops.moe_permute = ops.moe_unpermute = None
     ops.names = dict(_TORCH_NAMES)
     if device_type == "npu" and npu is not None:
-        wanted = npu_ops.fused_ops_wanted(env)
         kernels = npu_ops.npu_kernels(npu, rms_norm_torch, grouped_mm_loop)
         ops.grouped_mm, ops.names["grouped_mm"] = grouped_mm_loop, "loop"
         for name in npu_ops.NPU_OPS:

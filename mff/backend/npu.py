@@ -2,13 +2,15 @@
 the kernel's documented limits are not met.
 
 Every entry is written against the signature and limits torch_npu documents (the Ascend
-"torch_npu API" reference, versions 2.1-2.6) and has a twin in :mod:`mff.backend` it must
-equal. The guard checks shape, dtype and layout before the call; when a limit is not met the
+Extension for PyTorch 6.0/7.0 API reference, torch_npu 2.1 to 2.6; later releases are assumed to
+keep them, unverified: the guards also read the installed signature where it changed, as
+``npu_rotary_mul``'s ``rotary_mode``) and has a twin in :mod:`mff.backend` it must equal. The guard checks shape, dtype and layout before the call; when a limit is not met the
 twin computes the result instead and the reason is printed once per op and reason on stderr
 (``mff: <op> takes the torch twin on this NPU: <reason>``), never a wrong result.
 
-``MFF_NPU_FUSED`` chooses which entries use the kernel: ``1`` (default) every one, ``0`` none
-(bisecting a numerics difference), or a comma list of op names (``rms_norm,swiglu``).
+``MFF_NPU_FUSED`` chooses which entries use the kernel: ``1`` or ``all`` (default) every one,
+``0`` or ``none`` none (bisecting a numerics difference), or a comma list of op names
+(``rms_norm,swiglu``).
 
 None of this has run on an NPU in this project: the contracts are checked in CPU CI through a
 stand-in module (``tests/npu_standin.py``) that raises where the documented kernel would and

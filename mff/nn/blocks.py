@@ -7,13 +7,15 @@ A skeleton's forward calls every block through :func:`run_block` with the model'
   backward (``torch.utils.checkpoint``, non-reentrant), one block at a time, as torchtitan's
   and Megatron's full recomputation;
 - ``ac="selective"``: the recomputation keeps the outputs of the matmuls and attention
-  (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``, scaled-dot-product attention: the expensive
-  ops) and recomputes only the cheap elementwise ops and norms (torchtitan's op-level
+  (``mm``, ``addmm``, ``bmm``, ``_grouped_mm`` and mff's ``mff::grouped_mm`` expert GEMMs,
+  scaled-dot-product attention: the expensive ops) and recomputes only the cheap elementwise ops and norms (torchtitan's op-level
   selective AC, through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``);
 - ``compile=True``: each block runs through ``torch.compile`` (one compiled graph serves all
-  blocks of the same shape, as torchtitan's per-block compilation). MoE blocks run their
-  grouped expert GEMMs eagerly (a graph break), so ``selective`` with ``compile`` is refused
-  for them; ``full`` checkpoints around the compiled block.
+  blocks of the same shape, as torchtitan's per-block compilation). MoE blocks compile whole:
+  their grouped expert GEMMs are custom ops with a fake rule (:mod:`mff.nn.grouped_gemm`), not
+  a graph break, so ``selective`` runs inside the compiled block for them too; under expert
+  parallelism the all-to-all dispatch still runs eagerly, and ``selective`` with ``compile``
+  is refused there. ``full`` checkpoints around the compiled block.
 
 The block's params are passed to the checkpointed function explicitly: the skeleton holds meta
 tensors and gets its real params from ``torch.func.functional_call`` only for the duration of
@@ -31,6 +33,8 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from mff.nn import grouped_gemm  # noqa: F401  (registers torch.ops.mff.grouped_mm before _SAVE_OPS names it)
 
 __all__ = ["AC_MODES", "BlockExecution", "run_block"]
 
@@ -63,6 +67,7 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
+_SAVE_OPS.update({torch.ops.mff.grouped_mm.default, torch.ops.mff.grouped_mm_weight_grad.default})
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -78,10 +83,12 @@ def _checkpointed(block: nn.Module, *args):
 
 
 def _has_graph_break(block: nn.Module) -> bool:
-    """MoE blocks: their grouped expert GEMMs run eagerly under torch.compile (a graph break)."""
-    from mff.nn.moe import MoE
+    """A block with MoE experts split over an ``ep`` axis: their all-to-all dispatch runs
+    eagerly under torch.compile (a graph break)."""
+    from mff.nn.moe import Experts
+    from mff.parallel.ep import expert_group
 
-    return any(isinstance(m, MoE) for m in block.modules())
+    return any(isinstance(m, Experts) and expert_group(m.gate_up_proj) is not None for m in block.modules())
 
 
 def _compiled(block: nn.Module, selective: bool):
@@ -108,16 +115,18 @@ def run_block(block: nn.Module, execution: BlockExecution | None, *args):
     run the block without it.
 
     Raises:
-        ValueError: ``ac="selective"`` with ``compile`` on a block with MoE experts (its grouped
-            GEMMs are a graph break, across which torch 2.13 cannot recompute selectively).
+        ValueError: ``ac="selective"`` with ``compile`` on a block whose MoE experts are split
+            over ``ep`` (the all-to-all dispatch is a graph break, across which torch 2.13 cannot
+            recompute selectively).
     """
     if execution is None:
         return block(*args)
     ac = execution.ac if torch.is_grad_enabled() else "none"
     if execution.compile and ac == "selective":
         if _has_graph_break(block):
-            raise ValueError("--ac selective with --compile is not supported for MoE blocks (the grouped expert GEMMs run "
-                             "eagerly, a graph break that selective recomputation cannot cross); use --ac full with --compile")
+            raise ValueError("--ac selective with --compile is not supported with expert parallelism (--parallel.ep > 1: the "
+                             "all-to-all expert dispatch runs eagerly, a graph break that selective recomputation cannot "
+                             "cross); use --ac full with --compile, or --ac selective without --compile")
         return _compiled(block, True)(*args)
     target = _compiled(block, False) if execution.compile else block
     if ac == "none":

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mff.backend import ops
+from mff.nn import grouped_gemm  # noqa: F401  (registers the mff::grouped_mm custom ops)
 from mff.nn.lora import slot_name
 from mff.nn.mlp import GatedMLP
 from mff.parallel.ep import all_to_all, exchange_counts, expert_group, plan_receive, plan_send
@@ -177,16 +178,17 @@ def _grouped_low_rank(mm, x_SD: torch.Tensor, lora: ExpertLoRA, counts: list[int
     return mm(mm(x_SD, (lora.A * lora.scale).transpose(1, 2), counts), lora.B.transpose(1, 2), counts)  # s on the small A
 
 
-def _expert_mlp(x_SD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, counts: list[int],
+def _expert_mlp(x_SD: torch.Tensor, gate_up_EFD: torch.Tensor, down_EDI: torch.Tensor, counts: list[int] | torch.Tensor,
                 lora_gate_up: ExpertLoRA | None = None, lora_down: ExpertLoRA | None = None) -> torch.Tensor:
     """The gated expert MLP on rows grouped by expert (``counts[e]`` consecutive rows for
-    expert e): one grouped GEMM per projection (``ops.grouped_mm``), plus each projection's LoRA
-    path when it has one. Returns [S, D].
+    expert e): one grouped GEMM per projection (``ops.grouped_mm`` for a list of counts; the
+    ``mff::grouped_mm`` custom op of :mod:`mff.nn.grouped_gemm` for an int64 tensor of them, the
+    compiled path), plus each projection's LoRA path when it has one. Returns [S, D].
 
     With no rows (an ep rank whose experts were routed no token) the result is still made from
     ``x_SD`` and the weights, so that the backward reaches the all-to-all on every rank alike
     (``torch._grouped_mm``'s backward also rejects zero rows)."""
-    mm = ops.grouped_mm if x_SD.shape[0] else _no_rows_mm
+    mm = (torch.ops.mff.grouped_mm if isinstance(counts, torch.Tensor) else ops.grouped_mm) if x_SD.shape[0] else _no_rows_mm
     h = mm(x_SD, gate_up_EFD.transpose(1, 2), counts)  # [S, 2I]
     if lora_gate_up is not None:
         h = h + _grouped_low_rank(mm, x_SD, lora_gate_up, counts)
@@ -209,25 +211,44 @@ def _combine(y_SD: torch.Tensor, w_NK: torch.Tensor, order: torch.Tensor, token_
     return out.to(x_ND.dtype)
 
 
+def _expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Token slots per expert, [E] int64: a bincount of fixed length (a static shape under
+    ``torch.compile``, where ``torch.bincount``'s length depends on the data)."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 @torch.compiler.disable
+def _permuted_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_EFD: torch.Tensor,
+                      down_EDI: torch.Tensor, lora: tuple[ExpertLoRA | None, ExpertLoRA | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NPU, eagerly: npu_moe_token_permute / unpermute around the grouped GEMMs, in the stable
+    expert order of :func:`_grouped_experts` (compiled, the torch sort and combine are used
+    instead, so the block stays one graph)."""
+    counts_E = _expert_counts(idx_NK.reshape(-1), gate_up_EFD.shape[0])
+    x_SD, sorted_indices = ops.moe_permute(x_ND, idx_NK)
+    y_SD = _expert_mlp(x_SD, gate_up_EFD, down_EDI, counts_E.tolist(), *lora)
+    return ops.moe_unpermute(y_SD, sorted_indices, w_NK).to(x_ND.dtype), counts_E
+
+
 def _grouped_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_EFD: torch.Tensor,
                      down_EDI: torch.Tensor, lora: tuple[ExpertLoRA | None, ExpertLoRA | None] = (None, None)
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token slots sorted by expert, then one grouped GEMM per projection (``ops.grouped_mm``).
+    """Token slots sorted by expert (stable argsort), then one grouped GEMM per projection.
 
-    Runs eagerly under ``torch.compile`` (a graph break): the group sizes are data (a host
-    sync), and ``torch._grouped_mm`` has no fp32 fake-tensor rule on CPU in torch 2.13.
+    Eagerly the group sizes go to ``ops.grouped_mm`` as a list (one host sync per layer). Under
+    ``torch.compile`` they stay a tensor and the GEMMs are the ``mff::grouped_mm`` custom op
+    (:mod:`mff.nn.grouped_gemm`: a fake rule gives the output shape), so the MoE block compiles
+    as one graph with no break and selective checkpointing works across it; on an NPU the
+    eager path uses the token permutation kernels and the compiled one the torch sort.
     Returns ``(y [N, D], counts [E] int64)``."""
+    if ops.moe_permute is not None and not torch.compiler.is_compiling():
+        return _permuted_experts(x_ND, w_NK, idx_NK, gate_up_EFD, down_EDI, lora)
     K = idx_NK.shape[1]
     flat = idx_NK.reshape(-1)
-    counts_E = torch.bincount(flat, minlength=gate_up_EFD.shape[0])
-    if ops.moe_permute is not None:  # an NPU: npu_moe_token_permute / unpermute, same stable order
-        x_SD, sorted_indices = ops.moe_permute(x_ND, idx_NK)
-        y_SD = _expert_mlp(x_SD, gate_up_EFD, down_EDI, counts_E.tolist(), *lora)
-        return ops.moe_unpermute(y_SD, sorted_indices, w_NK).to(x_ND.dtype), counts_E
+    counts_E = _expert_counts(flat, gate_up_EFD.shape[0])
     order = torch.argsort(flat, stable=True)
     token_of_slot = order // K
-    y_SD = _expert_mlp(x_ND[token_of_slot], gate_up_EFD, down_EDI, counts_E.tolist(), *lora)  # tolist: host sync for the group sizes
+    groups = counts_E if torch.compiler.is_compiling() else counts_E.tolist()  # tolist: host sync for the group sizes
+    y_SD = _expert_mlp(x_ND[token_of_slot], gate_up_EFD, down_EDI, groups, *lora)
     return _combine(y_SD, w_NK, order, token_of_slot, x_ND), counts_E
 
 

@@ -65,7 +65,7 @@ class TrainConfig(Generic[C]):
     threads: int | None = None
     """torch CPU threads; default on CPU: the cores this process may use, split between the machine's torchrun processes, no more than the load average leaves free (printed at start)."""
     precision: Literal["fp32", "bf16-mixed", "bf16"] = "fp32"
-    """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state). On an NPU the default is bf16-mixed (fp32 elsewhere) when --precision is not given."""
+    """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state). The default below is for CPU and CUDA; on an NPU, --precision not given means bf16-mixed."""
     ac: Literal["none", "full", "selective"] = "none"
     """Activation checkpointing per block: none, full (recompute the whole block in the backward) or selective (keep matmul and attention outputs, recompute the rest)."""
     compile: bool = False

@@ -30,7 +30,7 @@ from mff.ckpt.tokenizer_files import write_text_atomic
 from mff.data import split_microbatches
 from mff.model import Model
 from mff.nn.blocks import AC_MODES
-from mff.nn.moe import MoE
+from mff.nn.moe import Experts
 from mff.optim import lr_at
 from mff.optim.schedule import decay_steps_of
 from mff.parallel import placements_of
@@ -76,9 +76,9 @@ def check_train_config(cfg: TrainConfig, model: Model, dp_size: int) -> None:
         raise ValueError(f"--precision {cfg.precision!r} must be one of {PRECISIONS}")
     if cfg.ac not in AC_MODES:
         raise ValueError(f"--ac {cfg.ac!r} must be one of {AC_MODES}")
-    if cfg.compile and cfg.ac == "selective" and any(isinstance(m, MoE) for m in model.skeleton.modules()):
-        raise ValueError("--ac selective with --compile is not supported for models with MoE layers (the grouped expert GEMMs run "
-                         "eagerly, a graph break that selective recomputation cannot cross); use --ac full with --compile")
+    if cfg.compile and cfg.ac == "selective" and cfg.parallel.ep > 1 and any(isinstance(m, Experts) for m in model.skeleton.modules()):
+        raise ValueError("--ac selective with --compile is not supported with --parallel.ep > 1 (the all-to-all expert dispatch "
+                         "runs eagerly, a graph break that selective recomputation cannot cross); use --ac full with --compile")
     cfg.optim.validate()
     if cfg.optim.warmup_steps > cfg.steps:
         raise ValueError(f"--optim.warmup-steps {cfg.optim.warmup_steps} exceeds --steps {cfg.steps}")
