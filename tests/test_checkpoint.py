@@ -67,5 +67,13 @@ def test_corrupt_and_mismatched_files_are_named(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="not an mff checkpoint"):
         ckpt.read_meta(path)
     (tmp_path / "latest").write_text("garbage")
-    with pytest.raises(ckpt.CheckpointError, match="not a step dir name"):
+    with pytest.raises(ckpt.CheckpointError, match=r"not a step dir name.*; step dirs there: step_00000001 \(to resume from one"):
+        ckpt.latest_step_dir(tmp_path)
+    (tmp_path / "latest").write_text("step_00000009")
+    with pytest.raises(ckpt.CheckpointError, match=r"names step_00000009, which does not exist.*step dirs there: step_00000001 .*"
+                                                   r"echo step_00000001 > "):
+        ckpt.latest_step_dir(tmp_path)
+    for s in range(2, 9):
+        (tmp_path / ckpt.step_dir_name(s)).mkdir()
+    with pytest.raises(ckpt.CheckpointError, match=r"step dirs there: step_00000004, .*, step_00000008 \(and 3 older\)"):
         ckpt.latest_step_dir(tmp_path)

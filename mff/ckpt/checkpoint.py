@@ -151,17 +151,29 @@ def latest_step_dir(ckpt_dir: str | os.PathLike) -> Path | None:
     if not latest.exists():
         return None
     if not latest.is_file():
-        raise CheckpointError(f"{latest} is not a file; it should hold the name of the newest step dir")
+        raise CheckpointError(f"{latest} is not a file; it should hold the name of the newest step dir{_step_dirs_hint(root)}")
     try:
         name = latest.read_bytes().decode("utf-8").strip()
     except (UnicodeDecodeError, OSError) as e:
-        raise CheckpointError(f"{latest} is unreadable ({e}); it should hold a step dir name like 'step_00000100'") from None
+        raise CheckpointError(f"{latest} is unreadable ({e}); it should hold a step dir name like 'step_00000100'"
+                              f"{_step_dirs_hint(root)}") from None
     if not _STEP_RE.match(name):
-        raise CheckpointError(f"{latest} holds {name!r}, not a step dir name like 'step_00000100'")
+        raise CheckpointError(f"{latest} holds {_short(name)}, not a step dir name like 'step_00000100'{_step_dirs_hint(root)}")
     path = root / name
     if not path.is_dir():
-        raise CheckpointError(f"{latest} names {name}, which does not exist under {root}")
+        raise CheckpointError(f"{latest} names {name}, which does not exist under {root}{_step_dirs_hint(root)}")
     return path
+
+
+def _step_dirs_hint(root: Path) -> str:
+    """What a user can resume from when ``latest`` is bad: the step dirs that are there."""
+    steps = list_steps(root)
+    if not steps:
+        return "; there is no step dir under it"
+    shown = ", ".join(step_dir_name(s) for s in steps[-5:])
+    more = f" (and {len(steps) - 5} older)" if len(steps) > 5 else ""
+    return (f"; step dirs there: {shown}{more} (to resume from one, write its name into latest, e.g. "
+            f"`echo {step_dir_name(steps[-1])} > {root / 'latest'}`)")
 
 
 def _full_cpu(t: torch.Tensor) -> torch.Tensor:
