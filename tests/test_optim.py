@@ -38,6 +38,29 @@ def test_adamw_matches_torch_over_10_steps():
     assert int(state["step"]) == 10
 
 
+def test_adamw_with_non_contiguous_grads_updates_the_right_elements():
+    """A transposed grad of a contiguous param (what a grouped GEMM's backward can give) must
+    update the same elements as its contiguous copy (torch._fused_adamw_ on CPU walks the
+    memory as one flat buffer and would not)."""
+    g = torch.Generator().manual_seed(0)
+    init = {"experts.gate_up_proj": torch.randn(2, 6, 4, generator=g), "b.weight": torch.randn(3, 5, generator=g)}
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    grads = {"experts.gate_up_proj": torch.randn(2, 4, 6, generator=g).transpose(1, 2), "b.weight": torch.randn(5, 3, generator=g).t()}
+    assert not any(v.is_contiguous() for v in grads.values())
+    results = []
+    for gs in (grads, {k: v.contiguous() for k, v in grads.items()}):
+        params = {k: v.clone().requires_grad_(True) for k, v in init.items()}
+        state = adamw.init(params)
+        assert set(state["exp_avg"]) == set(init)
+        with torch.no_grad():
+            for _ in range(2):
+                adamw.update(params, gs, state, 1e-2, cfg)
+        results.append({k: v.detach() for k, v in params.items()})
+    for k in init:
+        assert not torch.equal(results[1][k], init[k])
+        torch.testing.assert_close(results[0][k], results[1][k], atol=0, rtol=0)
+
+
 def test_warmup_cosine_values():
     lrs = [warmup_cosine(s, 1.0, 2, 10, 0.0) for s in range(1, 11)]
     assert lrs[0] == 0.5 and lrs[1] == 1.0 and lrs[2] == 1.0  # first step > 0, peak at end of warmup

@@ -35,6 +35,7 @@ from mff.parallel.watchdog import set_timeout
 
 __all__ = [
     "available_memory_gib",
+    "check_group_counts",
     "DEVICES",
     "DeviceUnavailable",
     "DistInfo",
@@ -285,6 +286,15 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_group_counts(counts: list[int], rows: int, experts: int) -> None:
+    """Raises ValueError unless ``counts`` has one entry per expert, none negative, summing to
+    ``rows`` (``torch._grouped_mm`` does not check: past the last offset its output rows are
+    left uninitialised)."""
+    if len(counts) != experts or any(c < 0 for c in counts) or sum(counts) != rows:
+        shown = counts if len(counts) <= 16 else f"{counts[:16]}... ({len(counts)} entries)"
+        raise ValueError(f"grouped GEMM group counts {shown} must be {experts} non-negative ints summing to the {rows} rows")
+
+
 def _aligned16(t: torch.Tensor) -> bool:
     return all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
 
@@ -293,12 +303,14 @@ def grouped_mm_fused(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int])
     """The same product through ``torch._grouped_mm`` (one kernel for all experts).
 
     ``torch._grouped_mm`` takes float32, bfloat16 or float16 (one dtype for both) with strides
-    that are multiples of 16 bytes; other dtypes and shapes take the per-expert loop. It also rejects a non-contiguous output gradient in its backward (seen on
+    that are multiples of 16 bytes; other dtypes and shapes take the per-expert loop. Raises
+    ValueError for counts that do not split the rows over the experts. It also rejects a non-contiguous output gradient in its backward (seen on
     torch 2.13 CPU), so the output's gradient is made contiguous by a hook.
     """
     if not (x_ND.dtype == w_EDF.dtype and x_ND.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and _aligned16(x_ND) and _aligned16(w_EDF) and (w_EDF.shape[-1] * w_EDF.element_size()) % 16 == 0):
         return grouped_mm_loop(x_ND, w_EDF, counts)
+    check_group_counts(counts, x_ND.shape[0], w_EDF.shape[0])
     offs = torch.tensor(counts, device=x_ND.device, dtype=torch.int64).cumsum(0).to(torch.int32)
     return _contiguous_grad(torch._grouped_mm(x_ND, w_EDF, offs=offs))
 

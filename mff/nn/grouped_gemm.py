@@ -16,7 +16,7 @@ for their grouped GEMMs (a registered op with a meta rule), written here against
 - ``mff::grouped_mm_weight_grad(x [N, D], grad [N, F], counts [E] int64) -> [E, D, F]``: per
   expert ``x_e^T grad_e`` (zeros for an expert with no rows), its backward for ``w``.
 
-``counts`` must sum to N (an error from the kernel otherwise). The backward of ``grouped_mm``
+``counts`` must hold E non-negative ints summing to N (ValueError otherwise). The backward of ``grouped_mm``
 is ``grad_x = grouped_mm(grad, w^T, counts)`` and ``grad_w = grouped_mm_weight_grad(x, grad,
 counts)``; both are ops too, so the compiled backward graph holds them whole and selective
 activation checkpointing can save their outputs (:mod:`mff.nn.blocks`).
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from mff.backend import ops
+from mff.backend import check_group_counts, ops
 
 __all__ = ["grouped_mm", "grouped_mm_weight_grad"]
 
@@ -34,7 +34,9 @@ __all__ = ["grouped_mm", "grouped_mm_weight_grad"]
 @torch.library.custom_op("mff::grouped_mm", mutates_args=())
 def grouped_mm(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """``[N, F]``: each group of rows of ``x_ND`` (sizes ``counts_E``) times its expert's ``w_EDF[e]``."""
-    return ops.grouped_mm(x_ND, w_EDF, counts_E.tolist())  # a new tensor (torch._grouped_mm, or torch.cat of the groups)
+    counts = counts_E.tolist()
+    check_group_counts(counts, x_ND.shape[0], w_EDF.shape[0])
+    return ops.grouped_mm(x_ND, w_EDF, counts)  # a new tensor (torch._grouped_mm, or torch.cat of the groups)
 
 
 @grouped_mm.register_fake
@@ -46,9 +48,11 @@ def _(x_ND, w_EDF, counts_E):
 def grouped_mm_weight_grad(x_ND: torch.Tensor, grad_NF: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """``[E, D, F]``: ``x_e^T grad_e`` for each expert's rows (zeros where an expert has none)."""
     E = counts_E.shape[0]
+    counts = counts_E.tolist()
+    check_group_counts(counts, x_ND.shape[0], E)
     out = x_ND.new_zeros(E, x_ND.shape[1], grad_NF.shape[1])
     start = 0
-    for e, n in enumerate(counts_E.tolist()):
+    for e, n in enumerate(counts):
         if n:
             out[e] = x_ND[start:start + n].t() @ grad_NF[start:start + n]
         start += n
@@ -69,7 +73,15 @@ def _backward(ctx, grad_NF):
     x_ND, w_EDF, counts_E = ctx.saved_tensors
     grad_NF = grad_NF.contiguous()
     grad_x = grouped_mm(grad_NF, w_EDF.transpose(1, 2), counts_E) if ctx.needs_input_grad[0] else None
-    grad_w = grouped_mm_weight_grad(x_ND, grad_NF, counts_E).to(w_EDF.dtype) if ctx.needs_input_grad[1] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        # in w's own layout: the experts pass transposed views of [E, out, in] stacks, whose
+        # param grad should come out contiguous like the param (as the eager path's does)
+        if w_EDF.transpose(1, 2).is_contiguous() and not w_EDF.is_contiguous():
+            grad_w = grouped_mm_weight_grad(grad_NF, x_ND, counts_E).transpose(1, 2)  # [E, F, D] -> [E, D, F] view
+        else:
+            grad_w = grouped_mm_weight_grad(x_ND, grad_NF, counts_E)
+        grad_w = grad_w.to(w_EDF.dtype)
     return grad_x, grad_w, None
 
 

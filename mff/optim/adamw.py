@@ -127,6 +127,12 @@ def _fused_ok(params, grads, exp_avg, exp_avg_sq, keys) -> bool:
             return False
         if isinstance(p, DTensor) != isinstance(grads[k], DTensor):
             return False
+        # the kernel walks every tensor of a param as one flat buffer (seen on torch 2.13 CPU: a
+        # transposed grad of a contiguous param was applied to the wrong elements), so all four
+        # must share one layout; a grad with other strides takes the foreach path
+        layout = _local(p).stride()
+        if not (_local(p).is_contiguous() and all(_local(t[k]).stride() == layout for t in (grads, exp_avg, exp_avg_sq))):
+            return False
     return True
 
 
