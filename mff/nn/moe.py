@@ -217,7 +217,6 @@ def _expert_counts(flat: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-@torch.compiler.disable
 def _permuted_experts(x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, gate_up_EFD: torch.Tensor,
                       down_EDI: torch.Tensor, lora: tuple[ExpertLoRA | None, ExpertLoRA | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """An NPU, eagerly: npu_moe_token_permute / unpermute around the grouped GEMMs, in the stable
