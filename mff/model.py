@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.utils.stateless import _reparametrize_module
 
 from mff.backend import available_memory_gib
 from mff.nn.blocks import BlockExecution
@@ -261,13 +262,15 @@ class Model:
         dtype: torch.dtype = torch.float32,
         mesh: DeviceMesh | None = None,
         axis_map: AxisMap = DEFAULT_AXIS_MAP,
+        keys: Sequence[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Fresh params from the family's init table, deterministic per (seed, path).
 
         Each param is drawn on the CPU in fp32 from its own generator (:func:`path_seed`), then
         cast to ``dtype`` (fp32 params stay fp32) and moved to ``device``. With ``mesh`` every
         leaf becomes a DTensor placed by the family's sharding table. Trainable leaves have
-        ``requires_grad=True``.
+        ``requires_grad=True``. ``keys``: only these paths (a pipeline stage's), each drawn as
+        in the whole model.
 
         Raises:
             ValueError: a param no init-table row matches; sharding errors (see
@@ -277,7 +280,13 @@ class Model:
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         table = self.family.init_table(self.config)
         params = {}
-        for path, shape in self.param_shapes().items():
+        shapes = self.param_shapes()
+        if keys is not None:
+            unknown = sorted(set(keys) - set(shapes))
+            if unknown:
+                raise ValueError(f"{self.family.name} has no params {unknown[:3]}")
+            shapes = {k: shapes[k] for k in keys}
+        for path, shape in shapes.items():
             hit = first_match(path, table)
             if hit is None:
                 raise ValueError(f"param {path!r}: no row of {self.family.name}'s init table matches it")
@@ -335,6 +344,64 @@ class Model:
             missing = sorted(set(self.count_targets(batch)) - set(target_counts))
             if missing:
                 raise ValueError(f"target_counts lacks {missing} (from model.count_targets over the step's batches)")
+
+    # ---- pipeline stages -------------------------------------------------------------
+    def stage_keys(self, layers: range, first: bool, last: bool) -> list[str]:
+        """The param paths a pipeline stage computes with: the decoder layers ``layers``
+        (``model.layers.{i}.*``), with ``first`` the token embedding, with ``last`` the final
+        norm, the head and the MTP depths (``model.layers.{i}.*`` for i >= num_hidden_layers),
+        plus the token embedding when the last stage needs it too (a head tied to it, or MTP,
+        which embeds the shifted tokens): see :meth:`shared_keys`."""
+        L = self.config.num_hidden_layers
+        out = []
+        for path in self._shapes:
+            parts = path.split(".")
+            if parts[:2] == ["model", "layers"]:
+                i = int(parts[2])
+                keep = i in layers if i < L else last
+            elif parts[:2] == ["model", "embed_tokens"]:
+                keep = first or (last and path in self.shared_keys())
+            else:
+                keep = last
+            if keep:
+                out.append(path)
+        return out
+
+    def shared_keys(self) -> list[str]:
+        """Params both the first and the last pipeline stage use: the token embedding when the
+        head is tied to it or the model has MTP depths (Megatron's "shared embedding" under
+        pipeline parallelism: each stage keeps a copy, their gradients are summed, and the
+        first stage's copy is the one saved)."""
+        L = self.config.num_hidden_layers
+        mtp = any(p.startswith("model.layers.") and int(p.split(".")[2]) >= L for p in self._shapes)
+        if not (getattr(self.config, "tie_word_embeddings", False) or mtp):
+            return []
+        return [p for p in self._shapes if p.startswith("model.embed_tokens.")]
+
+    def stage_forward(self, params: Mapping[str, torch.Tensor], carry: tuple[torch.Tensor, ...], layers: range, first: bool, last: bool,
+                      batch: Mapping[str, torch.Tensor], target_counts: Mapping[str, torch.Tensor] | None = None):
+        """One pipeline stage of :meth:`forward` with the stage's params (exactly
+        :meth:`stage_keys`): the skeleton's ``pipeline_stage`` on ``carry`` (the previous
+        stage's output; empty for the first stage). Returns ``(carry for the next stage, or the
+        weighted loss terms {name: 0-d} for the last; expert loads {MoE layer path: [E]})``.
+
+        ``batch`` as for :meth:`forward` (``labels`` required; every stage gets the whole batch:
+        positions and masks are recomputed per stage, the last stage reads the labels).
+
+        Raises:
+            ValueError: params that are not the stage's (missing or extra paths named); a skeleton
+                without ``pipeline_stage``; LoRA adapters (pipeline stages take base params only).
+        """
+        if self._adapter_names:
+            raise ValueError("pipeline stages do not take LoRA adapters (fine-tuning under pipeline parallelism is not supported)")
+        if not hasattr(self.skeleton, "pipeline_stage"):
+            raise ValueError(f"the {self.family.name} skeleton has no pipeline_stage: it cannot run under pipeline parallelism")
+        want = self.stage_keys(layers, first, last)
+        if set(params) != set(want):
+            missing, extra = sorted(set(want) - set(params)), sorted(set(params) - set(want))
+            raise ValueError(f"stage params differ from the stage's paths: missing {missing[:3]}, extra {extra[:3]}")
+        with _reparametrize_module(self.skeleton, dict(params), strict=False):
+            return self.skeleton.pipeline_stage(carry, layers, first, last, **dict(batch), target_counts=target_counts)
 
     def count_targets(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-loss-term counts of this batch (``lm`` targets, ``mtp.k`` targets, ``balance``

@@ -19,10 +19,11 @@ lets any mesh (or one process) read back exactly the blocks it needs.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +313,48 @@ def _layout(groups: dict[str, list[tuple[str, torch.Tensor]]], world: int) -> di
     return {"world_size": world, "meshes": meshes, "tensors": tensors}
 
 
+def _merge_layouts(layouts: list[dict]) -> dict:
+    """One piece index from the ranks' own (ranks that hold different tensors: pipeline stages):
+    meshes deduplicated, each tensor's entry taken from the first rank that has it (every
+    rank holding a tensor lists all of its pieces, so their entries agree)."""
+    meshes: list[dict] = []
+    tensors: dict[str, dict] = {}
+    for lay in layouts:
+        index = {}
+        for i, desc in enumerate(lay["meshes"]):
+            if desc not in meshes:
+                meshes.append(desc)
+            index[i] = meshes.index(desc)
+        for kind, entries in lay["tensors"].items():
+            into = tensors.setdefault(kind, {})
+            for name, e in entries.items():
+                if name not in into:
+                    into[name] = {**e, "mesh": index[e["mesh"]] if e["mesh"] is not None else None}
+    return {"world_size": layouts[0]["world_size"], "meshes": meshes, "tensors": tensors}
+
+
+def _global_layout(groups: dict[str, list[tuple[str, torch.Tensor]]], rank: int, world: int) -> dict | None:
+    """The piece index of the whole checkpoint, on rank 0 (None elsewhere). When every rank
+    holds the same tensors (data and tensor parallelism) rank 0's own index is the whole one;
+    when they differ (pipeline stages) the ranks' indexes are gathered and merged."""
+    mine = _layout(groups, world)
+    if world == 1:
+        return mine
+    from mff.parallel.watchdog import collective
+
+    names = sorted(f"{kind}/{name}" for kind, items in groups.items() for name, _ in items)
+    digest = hashlib.sha256("\n".join(names).encode()).hexdigest()
+    digests: list[str | None] = [None] * world
+    with collective("all_gather_object (checkpoint: which tensors each rank holds)"):
+        dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return mine if rank == 0 else None
+    layouts: list[dict | None] = [None] * world if rank == 0 else None
+    with collective("gather_object (checkpoint: the ranks' piece indexes)"):
+        dist.gather_object(mine, layouts, dst=0)
+    return _merge_layouts([lay for lay in layouts if lay is not None]) if rank == 0 else None
+
+
 def _prepare_tmp(root: Path, final: Path) -> Path:
     """Rank 0: a fresh temp step dir next to ``final`` (refusing to overwrite a committed one)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -433,8 +476,9 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     err = None
+    layout = _global_layout(groups, rank, world)
     if rank == 0:
-        full_meta = {"format": FORMAT, "version": VERSION, **dict(meta), "step": step, "layout": _layout(groups, world)}
+        full_meta = {"format": FORMAT, "version": VERSION, **dict(meta), "step": step, "layout": layout}
         try:
             _commit(root, tmp, final, full_meta, step, keep_last)
         except OSError as e:
@@ -609,6 +653,7 @@ def load(
     step_dir: str | os.PathLike,
     params_like: Mapping[str, torch.Tensor],
     optim_like: Mapping[str, Any] | None = None,
+    model_params: Collection[str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict | None, dict]:
     """Read a step dir onto the placements of ``params_like`` (and ``optim_like``), on any mesh.
 
@@ -616,7 +661,9 @@ def load(
     DTensor placements of the templates. Each rank reads only the slices of the piece files
     that overlap its own blocks (no rank holds a whole sharded tensor), so a checkpoint saved
     on one mesh loads onto another. Single-file checkpoints (one process, or written before
-    sharded saving) load the same way. No collectives.
+    sharded saving) load the same way. No collectives. ``model_params``: every param path of
+    the model when the templates are a part of it (a pipeline stage's): the checkpoint may hold
+    the other paths (and their optimizer state), and only tensors outside the model are extra.
 
     Raises:
         CheckpointError: unreadable or truncated files, missing or extra tensors, or shape
@@ -625,7 +672,8 @@ def load(
     step_dir = Path(step_dir)
     meta = read_meta(step_dir)
     src = open_tensors(step_dir, meta, "model")
-    extra = sorted(set(src.names) - set(params_like))
+    known = set(params_like) if model_params is None else set(model_params)
+    extra = sorted(set(src.names) - known)
     if extra:
         raise CheckpointError(f"{src.where} has tensors the model does not: {extra[:5]}")
     params = {k: _read_like(src, k, v) for k, v in params_like.items()}
@@ -634,7 +682,8 @@ def load(
     if optim_like is not None:
         src = open_tensors(step_dir, meta, "optim")
         items = flatten_with_paths(dict(optim_like))
-        extra = sorted(set(src.names) - {k for k, _ in items})
+        names = {k for k, _ in items}
+        extra = sorted(n for n in set(src.names) - names if model_params is None or n.split("/", 1)[-1] not in known)
         if extra:
             raise CheckpointError(f"{src.where} has entries the optimizer does not: {extra[:5]}")
         state = unflatten_paths((k, _read_like(src, k, v)) for k, v in items)

@@ -259,26 +259,74 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Per main layer (MTP depths are not used in generation), the MLA latent cache shapes."""
         return [self.model.layers[i].self_attn.cache_shapes(batch_size, max_len) for i in range(self.config.num_hidden_layers)]
 
-    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None,
-                return_logits=True):
-        cfg = self.config
-        B, T = input_ids.shape
-        position_ids, mask, slots, new_cache = prepare_positions_and_mask(
-            input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
-        emb_BTD = self.model.embed_tokens(input_ids)
-        inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=input_ids.device)
-        cos, sin = rope_cos_sin(position_ids, inv_freq, self.attention_factor, emb_BTD.dtype)
-        layer_kv = cache["layers"] if cache is not None else [None] * cfg.num_hidden_layers
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=position_ids.device)
+        return rope_cos_sin(position_ids, inv_freq, self.attention_factor, dtype)
 
+    def _layers(self, h, cos, sin, mask, indices: range, layer_kv=None, slots=None):
+        """Main layers ``indices`` on ``h`` [B, T, D]: ``(h, expert loads {path: [E]}, per-layer
+        balance terms [B] of these layers' MoE blocks)``."""
         expert_load: dict[str, torch.Tensor] = {}
         balance: list[torch.Tensor] = []
-        L = cfg.num_hidden_layers
-        h = emb_BTD
-        for i in range(L):
-            h, load, bal = run_block(self.model.layers[i], self.execution, h, cos, sin, mask, layer_kv[i], slots)
+        for i in indices:
+            h, load, bal = run_block(self.model.layers[i], self.execution, h, cos, sin, mask, layer_kv[i] if layer_kv else None, slots)
             if load is not None:
                 expert_load[f"model.layers.{i}.mlp"] = load.detach()
                 balance.append(bal)
+        return h, expert_load, balance
+
+    def _losses(self, h, h_norm, emb_BTD, head: HeadWeight, cos, sin, mask, labels, document_ids, counts, balance_sum, expert_load):
+        """The weighted loss terms from the last layer's output ``h`` [B, T, D] and its final
+        norm ``h_norm``: the main head's,
+        the MTP depths' (which also add their expert loads to ``expert_load``) and the balance
+        term from ``balance_sum`` (the sum of every earlier MoE layer's per-sequence terms, or 0)."""
+        cfg = self.config
+        B, T = labels.shape
+        L = cfg.num_hidden_layers
+        losses = {"lm": head_cross_entropy_sum(h_norm.reshape(B * T, -1), head, labels.reshape(-1)) / counts["lm"].clamp(min=1)}
+        mtp_terms = []
+        for k in range(1, cfg.num_nextn_predict_layers + 1):
+            layer = self.model.layers[L + k - 1]
+            emb_next = torch.roll(emb_BTD, shifts=-k, dims=1)  # Emb(x_{t+k}); wrapped tail is masked
+            h, load, bal = run_block(layer, self.execution, mtp_block_input(layer, h, emb_next), cos, sin, mask)
+            if load is not None:
+                expert_load[f"model.layers.{L + k - 1}.mlp"] = load.detach()
+                balance_sum = balance_sum + bal.sum()
+            ce = head_cross_entropy_sum(layer.shared_head.norm(h).reshape(B * T, -1), head, mtp_labels(labels, document_ids, k).reshape(-1))
+            mtp_terms.append(ce / counts[f"mtp.{k}"].clamp(min=1))
+        if mtp_terms:
+            losses["mtp"] = cfg.mtp_loss_scaling_factor / len(mtp_terms) * sum(mtp_terms)
+        if self._has_moe() and cfg.aux_loss_alpha > 0:
+            losses["balance"] = cfg.aux_loss_alpha * balance_sum / counts["balance"].clamp(min=1)
+        return losses
+
+    def pipeline_carry_shapes(self, batch_size: int, seq_len: int) -> list[tuple[tuple[int, ...], bool]]:
+        """What a non-last :meth:`pipeline_stage` returns, as ``(shape, is_hidden)`` per tensor:
+        the hidden states (compute dtype) and, with MoE layers and a balance loss, the sum of
+        the balance terms so far (fp32 [1])."""
+        out = [((batch_size, seq_len, self.config.hidden_size), True)]
+        if self._has_moe() and self.config.aux_loss_alpha > 0:
+            out.append(((1,), False))
+        return out
+
+    def _has_moe(self) -> bool:
+        cfg = self.config
+        return any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers))
+
+    def _counts(self, input_ids, labels, document_ids, target_counts):
+        if target_counts is not None:
+            return target_counts
+        return count_targets(self.config, {"labels": labels, "document_ids": document_ids, "input_ids": input_ids})
+
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None,
+                return_logits=True):
+        cfg = self.config
+        position_ids, mask, slots, new_cache = prepare_positions_and_mask(
+            input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
+        emb_BTD = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(position_ids, emb_BTD.dtype)
+        layer_kv = cache["layers"] if cache is not None else None
+        h, expert_load, balance = self._layers(emb_BTD, cos, sin, mask, range(cfg.num_hidden_layers), layer_kv, slots)
         head = self._head_weight()
         h_main = self.model.norm(h)
         with_loss = labels is not None and cache is None
@@ -289,24 +337,41 @@ class DeepseekV3ForCausalLM(nn.Module):
         out = Output(logits=logits, expert_load=expert_load, cache=new_cache)
         if not with_loss:
             return out
-
-        counts = target_counts if target_counts is not None else count_targets(cfg, {"labels": labels, "document_ids": document_ids, "input_ids": input_ids})
-        out.losses["lm"] = head_cross_entropy_sum(h_main.reshape(B * T, -1), head, labels.reshape(-1)) / counts["lm"].clamp(min=1)
-        mtp_terms = []
-        for k in range(1, cfg.num_nextn_predict_layers + 1):
-            layer = self.model.layers[L + k - 1]
-            emb_next = torch.roll(emb_BTD, shifts=-k, dims=1)  # Emb(x_{t+k}); wrapped tail is masked
-            h, load, bal = run_block(layer, self.execution, mtp_block_input(layer, h, emb_next), cos, sin, mask)
-            if load is not None:
-                expert_load[f"model.layers.{L + k - 1}.mlp"] = load.detach()
-                balance.append(bal)
-            ce = head_cross_entropy_sum(layer.shared_head.norm(h).reshape(B * T, -1), head, mtp_labels(labels, document_ids, k).reshape(-1))
-            mtp_terms.append(ce / counts[f"mtp.{k}"].clamp(min=1))
-        if mtp_terms:
-            out.losses["mtp"] = cfg.mtp_loss_scaling_factor / len(mtp_terms) * sum(mtp_terms)
-        if balance and cfg.aux_loss_alpha > 0:
-            out.losses["balance"] = cfg.aux_loss_alpha * sum(b.sum() for b in balance) / counts["balance"].clamp(min=1)
+        counts = self._counts(input_ids, labels, document_ids, target_counts)
+        balance_sum = sum(b.sum() for b in balance)
+        out.losses.update(self._losses(h, h_main, emb_BTD, head, cos, sin, mask, labels, document_ids, counts, balance_sum, expert_load))
         return out
+
+    def pipeline_stage(self, carry: tuple[torch.Tensor, ...], layers: range, first: bool, last: bool, input_ids, labels=None,
+                       position_ids=None, document_ids=None, attention_mask=None, target_counts=None):
+        """One pipeline stage of :meth:`forward` (training, no cache): the embedding when
+        ``first``, the main layers ``layers``, and when ``last`` the final norm, the head, the MTP
+        depths (with the embedding of the shifted tokens: the last stage holds the embedding
+        too) and the losses. ``carry`` is what the previous stage returned: ``(h [B, T, D],)``,
+        plus the sum of the per-sequence balance terms so far [1] when the model has MoE layers
+        and a balance loss (empty for the first stage). Returns ``(carry for the next stage, or
+        the weighted loss terms when last; expert loads {path: [E]} of this stage's MoE layers,
+        MTP depths included)``. The same computation as :meth:`forward`, term for term; only the
+        sum of balance terms is regrouped by stage."""
+        cfg = self.config
+        position_ids, mask, _, _ = prepare_positions_and_mask(input_ids, position_ids, document_ids, attention_mask, None,
+                                                              cfg.max_position_embeddings)
+        emb_BTD = self.model.embed_tokens(input_ids) if first or (last and cfg.num_nextn_predict_layers) else None
+        h = emb_BTD if first else carry[0]
+        cos, sin = self._rope(position_ids, h.dtype)
+        h, expert_load, balance = self._layers(h, cos, sin, mask, layers)
+        carries_balance = self._has_moe() and cfg.aux_loss_alpha > 0
+        balance_sum = carry[1].reshape(()) if len(carry) > 1 else 0
+        balance_sum = balance_sum + sum(b.sum() for b in balance)
+        if not last:
+            if not carries_balance:
+                return (h,), expert_load
+            if not isinstance(balance_sum, torch.Tensor):
+                balance_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+            return (h, balance_sum.reshape(1)), expert_load
+        counts = self._counts(input_ids, labels, document_ids, target_counts)
+        losses = self._losses(h, self.model.norm(h), emb_BTD, self._head_weight(), cos, sin, mask, labels, document_ids, counts, balance_sum, expert_load)
+        return losses, expert_load
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@ from mff.model import Family
 from mff.models import common
 from mff.models.qwen3 import qwen3_attention, sliding_window_check
 from mff.models.validate import check_gqa, check_moe, need
-from mff.nn.decoder import CausalLM, DecoderLayer
+from mff.nn.decoder import BalanceLoss, CausalLM, DecoderLayer
 from mff.nn.mlp import GatedMLP
-from mff.nn.moe import MoE, switch_balance_loss
+from mff.nn.moe import MoE, switch_balance_from_stats, switch_balance_stats
 from mff.nn.rope import RopeParameters, rotary_dim
 
 __all__ = ["Qwen3MoeConfig", "SIZES", "FAMILY", "skeleton"]
@@ -120,12 +120,22 @@ SIZES = {
 }
 
 
-def balance_loss(cfg: Qwen3MoeConfig, scores, indices, counts):
-    """``router_aux_loss_coef * switch_balance_loss``, weighted by this batch's share of the
-    step's tokens (``counts["tokens"] / counts["balance"]``) so micro-batches sum to the mean."""
+def balance_stats(cfg: Qwen3MoeConfig, scores, indices):
+    """The Switch balance loss's additive statistics of some MoE layers (None when the loss is off)."""
     if cfg.router_aux_loss_coef <= 0:
         return None
-    aux = switch_balance_loss(scores, indices, cfg.num_experts)
+    return switch_balance_stats(scores, indices, cfg.num_experts)
+
+
+def _balance_size(cfg: Qwen3MoeConfig) -> int:
+    return 2 * cfg.num_experts + 1 if cfg.router_aux_loss_coef > 0 else 0
+
+
+def balance_loss(cfg: Qwen3MoeConfig, stats, counts):
+    """``router_aux_loss_coef * switch_balance_loss`` from the statistics of every MoE layer,
+    weighted by this batch's share of the step's tokens (``counts["tokens"] / counts["balance"]``)
+    so micro-batches sum to the mean."""
+    aux = switch_balance_from_stats(stats, cfg.num_experts)
     return cfg.router_aux_loss_coef * aux * counts["tokens"].to(aux.device) / counts["balance"].clamp(min=1).to(aux.device)
 
 
@@ -139,7 +149,7 @@ def skeleton(cfg: Qwen3MoeConfig) -> CausalLM:
         else:
             mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         layers.append(DecoderLayer(qwen3_attention(cfg), mlp, cfg.hidden_size, cfg.rms_norm_eps))
-    return CausalLM(cfg, layers, cfg.rope_parameters, rotary_dim(cfg.rope_parameters, cfg.head_dim), balance_fn=balance_loss)
+    return CausalLM(cfg, layers, cfg.rope_parameters, rotary_dim(cfg.rope_parameters, cfg.head_dim), balance=BalanceLoss(balance_stats, balance_loss, _balance_size))
 
 
 def _fraction(cfg: Qwen3MoeConfig) -> float:

@@ -17,6 +17,7 @@ Shape legend: B batch, T sequence, D hidden, V vocabulary, E experts, K top-k, N
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,17 +26,31 @@ from torch import nn
 from mff.model import Output
 from mff.nn.attention import cache_causal_mask, document_causal_mask
 from mff.nn.blocks import BlockExecution, run_block
-from mff.nn.head import head_cross_entropy_sum, head_logits, head_weight
+from mff.nn.head import HeadWeight, head_cross_entropy_sum, head_logits, head_weight
 from mff.nn.layers import Embedding, RMSNorm
 from mff.nn.loss import count_targets as _count
 from mff.nn.moe import MoE
 from mff.nn.rope import RopeParameters, rope_cos_sin, rope_inv_freq
 
-__all__ = ["DecoderLayer", "CausalLM", "BalanceFn", "prepare_positions_and_mask"]
+__all__ = ["DecoderLayer", "CausalLM", "BalanceLoss", "prepare_positions_and_mask"]
 
-# (config, router scores per MoE layer [N, E], chosen experts per MoE layer [N, K],
-#  target counts) -> the weighted balance loss term, or None for none
-BalanceFn = Callable[[Any, Sequence[torch.Tensor], Sequence[torch.Tensor], Mapping[str, torch.Tensor]], "torch.Tensor | None"]
+
+@dataclass(frozen=True)
+class BalanceLoss:
+    """A family's MoE balance loss as additive statistics, so pipeline stages can each sum their
+    own layers' and the last stage finish the term.
+
+    - ``stats(config, router scores per MoE layer [N, E], chosen experts per layer [N, K])``:
+      a 1-d fp32 tensor of a fixed size that adds up over disjoint sets of layers, or None when
+      the loss is off;
+    - ``finish(config, stats summed over every MoE layer, target counts + "tokens")``: the
+      weighted term (0-d);
+    - ``size(config)``: the length of the statistics, 0 when the loss is off.
+    """
+
+    stats: Callable[[Any, Sequence[torch.Tensor], Sequence[torch.Tensor]], "torch.Tensor | None"]
+    finish: Callable[[Any, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+    size: Callable[[Any], int]
 
 
 def prepare_positions_and_mask(input_ids, position_ids, document_ids, attention_mask, cache, max_positions):
@@ -125,19 +140,19 @@ class _Body(nn.Module):
 class CausalLM(nn.Module):
     """The skeleton of a GQA family. ``forward(input_ids, labels=None, position_ids=None,
     document_ids=None, target_counts=None, attention_mask=None, cache=None) -> Output`` (see
-    :meth:`mff.model.Model.forward`).
+    :meth:`mff.model.Model.forward`); :meth:`pipeline_stage` runs a part of the same forward
+    (a pipeline stage).
 
     Args:
         cfg: the family config; reads ``vocab_size``, ``hidden_size``, ``rms_norm_eps``,
             ``tie_word_embeddings``, ``max_position_embeddings``.
         layers: the decoder layers (:class:`DecoderLayer`), in order.
         rope: RoPE parameters; ``rotary_dim``: rotating dims per head.
-        balance_fn: computes the weighted MoE balance loss term from the routing outputs, or
-            None for a model without one.
+        balance: the MoE balance loss as additive statistics, or None for a model without one.
     """
 
     def __init__(self, cfg: Any, layers: list[nn.Module], rope: RopeParameters, rotary_dim: int,
-                 balance_fn: BalanceFn | None = None):
+                 balance: BalanceLoss | None = None):
         super().__init__()
         self.config = cfg
         self.model = _Body(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps)
@@ -146,33 +161,54 @@ class CausalLM(nn.Module):
             self.lm_head.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         inv_freq, self.attention_factor = rope_inv_freq(rope, rotary_dim)
         self._inv_freq = inv_freq.tolist()  # a plain list: skeletons hold no buffers
-        self._balance_fn = balance_fn
+        self._balance = balance
         self.execution: BlockExecution | None = None  # set by Model.with_execution
 
     def cache_shapes(self, batch_size: int, max_len: int) -> list[dict[str, tuple[int, ...]]]:
         """Per layer, the shapes of its KV cache tensors."""
         return [layer.self_attn.cache_shapes(batch_size, max_len) for layer in self.model.layers]
 
-    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None,
-                return_logits=True):
-        cfg = self.config
-        B, T = input_ids.shape
-        position_ids, mask, slots, new_cache = prepare_positions_and_mask(
-            input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
-        h = self.model.embed_tokens(input_ids)
-        inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=input_ids.device)
-        cos, sin = rope_cos_sin(position_ids, inv_freq, self.attention_factor, h.dtype)
-        layer_kv = cache["layers"] if cache is not None else [None] * len(self.model.layers)
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = torch.tensor(self._inv_freq, dtype=torch.float32, device=position_ids.device)
+        return rope_cos_sin(position_ids, inv_freq, self.attention_factor, dtype)
 
+    def _layers(self, h, cos, sin, mask, indices: range, layer_kv=None, slots=None):
+        """Layers ``indices`` on ``h`` [B, T, D]: ``(h, expert loads {path: [E]}, balance
+        statistics of these layers or None)``."""
         expert_load: dict[str, torch.Tensor] = {}
-        scores, indices = [], []
-        for i, layer in enumerate(self.model.layers):
-            h, routing = run_block(layer, self.execution, h, cos, sin, mask, layer_kv[i], slots)
+        scores, chosen = [], []
+        for i in indices:
+            h, routing = run_block(self.model.layers[i], self.execution, h, cos, sin, mask, layer_kv[i] if layer_kv else None, slots)
             if routing is not None:
                 expert_load[f"model.layers.{i}.mlp"] = routing[0].detach()
                 scores.append(routing[1])
-                indices.append(routing[2])
-        head = head_weight(self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight)
+                chosen.append(routing[2])
+        stats = self._balance.stats(self.config, scores, chosen) if scores and self._balance is not None else None
+        return h, expert_load, stats
+
+    def _head(self) -> HeadWeight:
+        cfg = self.config
+        return head_weight(self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight)
+
+    def _losses(self, h_norm, head: HeadWeight, labels, counts, stats) -> dict[str, torch.Tensor]:
+        """The weighted loss terms from the final-normed hidden states [B, T, D] and the
+        balance statistics of every MoE layer (or None)."""
+        B, T = labels.shape
+        losses = {"lm": head_cross_entropy_sum(h_norm.reshape(B * T, -1), head, labels.reshape(-1)) / counts["lm"].clamp(min=1)}
+        if stats is not None:
+            losses["balance"] = self._balance.finish(self.config, stats, {**counts, "tokens": torch.tensor(labels.numel())})
+        return losses
+
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, target_counts=None, attention_mask=None, cache=None,
+                return_logits=True):
+        cfg = self.config
+        position_ids, mask, slots, new_cache = prepare_positions_and_mask(
+            input_ids, position_ids, document_ids, attention_mask, cache, cfg.max_position_embeddings)
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(position_ids, h.dtype)
+        layer_kv = cache["layers"] if cache is not None else None
+        h, expert_load, stats = self._layers(h, cos, sin, mask, range(len(self.model.layers)), layer_kv, slots)
+        head = self._head()
         h = self.model.norm(h)
         if return_logits == "last":  # only the last position's logits (a prefill that samples or scores from it)
             logits = head_logits(h[:, -1:], head)
@@ -182,9 +218,52 @@ class CausalLM(nn.Module):
         if labels is None:
             return out
         counts = target_counts if target_counts is not None else {"lm": _count(labels), "balance": torch.tensor(labels.numel())}
-        out.losses["lm"] = head_cross_entropy_sum(h.reshape(B * T, -1), head, labels.reshape(-1)) / counts["lm"].clamp(min=1)
-        if scores and self._balance_fn is not None:
-            term = self._balance_fn(cfg, scores, indices, {**counts, "tokens": torch.tensor(labels.numel())})
-            if term is not None:
-                out.losses["balance"] = term
+        out.losses.update(self._losses(h, head, labels, counts, stats))
         return out
+
+    def pipeline_stage(self, carry: tuple[torch.Tensor, ...], layers: range, first: bool, last: bool, input_ids, labels=None,
+                       position_ids=None, document_ids=None, attention_mask=None, target_counts=None):
+        """One pipeline stage of :meth:`forward` (training, no cache): the embedding when
+        ``first``, the decoder layers ``layers``, and when ``last`` the final norm, the head and
+        the losses. ``carry`` is what the previous stage returned: ``(h [B, T, D],)``, plus the
+        balance statistics so far ``[S]`` when the model has a balance loss (empty for the first
+        stage). Returns ``(carry for the next stage, or the weighted loss terms when last;
+        expert loads {path: [E]} of this stage's MoE layers)``. The same computation as
+        :meth:`forward`, term for term; only sums of balance statistics are regrouped."""
+        cfg = self.config
+        position_ids, mask, _, _ = prepare_positions_and_mask(input_ids, position_ids, document_ids, attention_mask, None,
+                                                              cfg.max_position_embeddings)
+        h = self.model.embed_tokens(input_ids) if first else carry[0]
+        stats_in = carry[1] if len(carry) > 1 else None
+        cos, sin = self._rope(position_ids, h.dtype)
+        h, expert_load, stats = self._layers(h, cos, sin, mask, layers)
+        stats = _add_stats(stats_in, stats, self._balance_size(input_ids.device))
+        if not last:
+            return ((h,) if stats is None else (h, stats)), expert_load
+        counts = target_counts if target_counts is not None else {"lm": _count(labels), "balance": torch.tensor(labels.numel())}
+        return self._losses(self.model.norm(h), self._head(), labels, counts, stats), expert_load
+
+    def pipeline_carry_shapes(self, batch_size: int, seq_len: int) -> list[tuple[tuple[int, ...], bool]]:
+        """What a non-last :meth:`pipeline_stage` returns, as ``(shape, is_hidden)`` per tensor:
+        the hidden states (compute dtype) and, with a balance loss, its statistics (fp32)."""
+        out = [((batch_size, seq_len, self.config.hidden_size), True)]
+        zero = self._balance_size("meta")
+        if zero is not None:
+            out.append(((zero.shape[0],), False))
+        return out
+
+    def _balance_size(self, device) -> torch.Tensor | None:
+        """Zero balance statistics (what a stage without MoE layers passes on), or None for a
+        model without a balance loss or without MoE layers."""
+        if self._balance is None or not any(isinstance(layer.mlp, MoE) for layer in self.model.layers):
+            return None
+        n = self._balance.size(self.config)
+        return torch.zeros(n, dtype=torch.float32, device=device) if n else None
+
+
+def _add_stats(a: torch.Tensor | None, b: torch.Tensor | None, zero) -> torch.Tensor | None:
+    if a is None and b is None:
+        return zero
+    if a is None:
+        return b
+    return a if b is None else a + b

@@ -36,7 +36,7 @@ from mff.nn.mlp import GatedMLP
 from mff.parallel.ep import all_to_all, exchange_counts, expert_group, plan_receive, plan_send
 from mff.parallel.gather import gather
 
-__all__ = ["select_experts", "sequence_balance_loss", "switch_balance_loss", "Router", "SoftmaxRouter", "Experts", "MoE"]
+__all__ = ["select_experts", "sequence_balance_loss", "switch_balance_loss", "switch_balance_stats", "switch_balance_from_stats", "Router", "SoftmaxRouter", "Experts", "MoE"]
 
 
 def select_experts(
@@ -95,6 +95,36 @@ def sequence_balance_loss(scores_BTE: torch.Tensor, idx_BTK: torch.Tensor) -> to
     return (f_BE * p_BE).sum(-1)
 
 
+def switch_balance_stats(probs: list[torch.Tensor], indices: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """The additive statistics of the Switch balance loss over some MoE layers: ``[2 E + 1]``
+    fp32 holding the token slots routed to each expert, the summed router probability of each
+    expert, and the number of (layer, token) rows, all summed over the given layers. Statistics
+    of disjoint sets of layers add up (pipeline stages sum theirs); :func:`switch_balance_from_stats`
+    turns the total into the loss.
+
+    ``probs``: per layer, router softmax probabilities [N, E]; ``indices``: per layer the chosen
+    experts [N, K]. Only the probability sums carry a gradient."""
+    device = probs[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    psum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = 0
+    for p, idx in zip(probs, indices):
+        counts.scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.float32, device=device))
+        psum = psum + p.float().sum(0)
+        rows += p.shape[0]
+    return torch.cat((counts, psum, torch.tensor([float(rows)], device=device)))
+
+
+def switch_balance_from_stats(stats: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``E * sum_e f_e P_e`` (fp32, 0-d) from :func:`switch_balance_stats` summed over every MoE
+    layer: ``f_e`` the share of token slots routed to e over all layers and tokens (summing to K),
+    ``P_e`` the mean probability of e (Fedus et al. 2021, eq. 4-6; HF's ``load_balancing_loss_func``
+    without an attention mask). K for perfectly uniform routing."""
+    E = num_experts
+    rows = stats[2 * E]
+    return E * ((stats[:E] / rows) * (stats[E:2 * E] / rows)).sum()
+
+
 def switch_balance_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], num_experts: int) -> torch.Tensor:
     """Switch-Transformer balance loss over all MoE layers at once, as HF's
     ``load_balancing_loss_func`` (Fedus et al. 2021, eq. 4-6) computes it without an attention mask.
@@ -102,14 +132,10 @@ def switch_balance_loss(probs: list[torch.Tensor], indices: list[torch.Tensor], 
     ``probs``: per layer, router softmax probabilities [N, E] (fp32); ``indices``: per layer the
     chosen experts [N, K]. With ``f_e`` the share of token slots routed to e over all layers and
     tokens (summing to K) and ``P_e`` the mean probability of e, returns ``E * sum_e f_e P_e``
-    (fp32, 0-d; K for perfectly uniform routing).
+    (fp32, 0-d; K for perfectly uniform routing). Computed from the per-layer statistics
+    (:func:`switch_balance_stats`), as a pipeline computes it from its stages' sums.
     """
-    p = torch.cat(probs, dim=0).float()
-    idx = torch.cat(indices, dim=0)
-    rows = p.shape[0]
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=p.device)
-    counts.scatter_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.float32, device=p.device))
-    return num_experts * ((counts / rows) * (p.sum(0) / rows)).sum()
+    return switch_balance_from_stats(switch_balance_stats(probs, indices, num_experts), num_experts)
 
 
 class Router(nn.Module):

@@ -15,16 +15,43 @@ are summed (reduce-scattered onto a ``Shard`` param) in the backward.
 
 Plain tensors pass through untouched, so ``forward(params, batch)`` also works on an ordinary
 ``dict[str, Tensor]`` in research code.
+
+Reduction once per step (pipeline parallelism, where a step runs many micro-batches through
+each stage): :func:`gather_for_step` gathers a param over its data-parallel axes once, as a
+fresh leaf that the step's micro-batches all use; inside :func:`local_grads` the gathers declare
+no reduction over the data axes, so each rank accumulates its own unreduced gradient on that
+leaf; :func:`reduce_step_grad` then sums it over the data axes onto the param's placements in
+one reduce-scatter (or all-reduce), once per step, as FSDP does with gradient sync off for all
+but the last micro-batch (torchtitan under pipeline parallelism keeps the params unsharded for
+the step in the same way: ``reshard_after_forward=False``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from mff.parallel.mesh import DATA_AXES
 
-__all__ = ["DATA_AXES", "gather"]
+__all__ = ["DATA_AXES", "gather", "gather_for_step", "local_grads", "reduce_step_grad"]
+
+_LOCAL_GRADS = contextvars.ContextVar("mff_local_grads", default=False)
+
+
+@contextlib.contextmanager
+def local_grads() -> Iterator[None]:
+    """Within this context :func:`gather` declares the gradients of the data-parallel axes
+    unreduced (each rank keeps its own): for params gathered once per step by
+    :func:`gather_for_step`, whose gradients :func:`reduce_step_grad` sums once."""
+    token = _LOCAL_GRADS.set(True)
+    try:
+        yield
+    finally:
+        _LOCAL_GRADS.reset(token)
 
 
 def gather(w: torch.Tensor, keep: tuple[str, ...] = (), partial: tuple[str, ...] = ()) -> torch.Tensor:
@@ -45,6 +72,7 @@ def gather(w: torch.Tensor, keep: tuple[str, ...] = (), partial: tuple[str, ...]
         return w
     mesh = w.device_mesh
     names = mesh.mesh_dim_names or ()
+    defer = _LOCAL_GRADS.get()
     target, grad = [], []
     for i, p in enumerate(w.placements):
         name = names[i] if i < len(names) else ""
@@ -53,9 +81,45 @@ def gather(w: torch.Tensor, keep: tuple[str, ...] = (), partial: tuple[str, ...]
             grad.append(p)
         else:
             target.append(Replicate())
-            summed = name in DATA_AXES or name in partial
+            summed = (name in DATA_AXES and not defer) or name in partial
             grad.append(Partial() if summed and mesh.size(i) > 1 else Replicate())
     full = w.redistribute(mesh, target)
     if not w.requires_grad:
         return full.to_local()
     return full.to_local(grad_placements=tuple(grad))
+
+
+def _step_placements(w: DTensor, keep: tuple[str, ...]) -> list[Placement]:
+    names = w.device_mesh.mesh_dim_names or ()
+    return [Replicate() if i < len(names) and names[i] in DATA_AXES and names[i] not in keep else p for i, p in enumerate(w.placements)]
+
+
+def gather_for_step(w: torch.Tensor, keep: tuple[str, ...] = ()) -> torch.Tensor:
+    """``w`` gathered over its data-parallel axes (:data:`DATA_AXES`, except those in ``keep``:
+    the ``ep`` split of stacked experts), as a new leaf DTensor (``requires_grad`` as ``w``'s)
+    that the step's micro-batches use in place of ``w`` under :func:`local_grads`. Tensor-parallel
+    shards stay as they are. A plain tensor comes back as a detached leaf."""
+    if not isinstance(w, DTensor):
+        return w.detach().requires_grad_(w.requires_grad)
+    with torch.no_grad():
+        full = w.redistribute(w.device_mesh, _step_placements(w, keep))
+    return full.detach().requires_grad_(w.requires_grad)
+
+
+@torch.no_grad()
+def reduce_step_grad(leaf: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of param ``w`` from the unreduced gradient accumulated on its step leaf
+    (:func:`gather_for_step`): summed over the data-parallel axes on which the leaf was gathered
+    and placed as ``w`` (one reduce-scatter or all-reduce per axis group). None when the leaf got
+    no gradient."""
+    g = leaf.grad
+    if g is None:
+        return None
+    if not isinstance(w, DTensor):
+        return g
+    mesh = w.device_mesh
+    names = mesh.mesh_dim_names or ()
+    partial = [Partial() if names[i] in DATA_AXES and isinstance(p, Replicate) and mesh.size(i) > 1 else p
+               for i, p in enumerate(leaf.placements)]
+    unreduced = DTensor.from_local(g.to_local(), mesh, partial, run_check=False, shape=g.shape, stride=g.stride())
+    return unreduced.redistribute(mesh, w.placements)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
 from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["MESH_AXES", "DATA_AXES", "ParallelConfig", "mesh_shape", "build_mesh", "data_parallel_size", "data_parallel_rank",
-           "data_parallel_group", "pipeline_group", "pipeline_size", "pipeline_rank"]
+           "data_parallel_group", "pipeline_group", "pipeline_pair_group", "pipeline_size", "pipeline_rank"]
 
 MESH_AXES = ("dp_replicate", "dp_shard", "ep", "tp")
 DATA_AXES = ("dp_replicate", "dp_shard", "ep")
@@ -122,11 +121,30 @@ def build_mesh(device_type: str, cfg: ParallelConfig, world_size: int) -> Device
     mesh = root[MESH_AXES]
     _DP_MESH[mesh] = root[DATA_AXES]._flatten("dp")
     _PP_MESH[mesh] = root["pp"]
+    _PP_ROOT[mesh] = root
     return mesh
 
 
 _DP_MESH: dict[DeviceMesh, DeviceMesh] = {}
 _PP_MESH: dict[DeviceMesh, DeviceMesh] = {}
+_PP_ROOT: dict[DeviceMesh, DeviceMesh] = {}
+_PAIRS: dict[tuple[int, int, int], object] = {}
+
+
+def pipeline_pair_group(mesh: DeviceMesh, a: int, b: int):
+    """The process group of pp coordinates ``a`` and ``b`` (a != b) at this rank's data and
+    tensor coordinates (the two ranks holding a param that two stages share: the token
+    embedding of the first and the last stage), or None when this rank is neither. Every rank
+    of the run must call it (the groups of every coordinate are made together), once per pair:
+    later calls return the same group."""
+    key = (id(mesh), a, b)
+    if key not in _PAIRS:
+        import torch.distributed as dist
+
+        ranks = _PP_ROOT[mesh].mesh.reshape(_PP_ROOT[mesh].size(0), -1)
+        pairs = [[int(ranks[a, j]), int(ranks[b, j])] for j in range(ranks.shape[1])]
+        _PAIRS[key], _ = dist.new_subgroups_by_enumeration(pairs)
+    return _PAIRS[key]
 
 
 def pipeline_group(mesh: DeviceMesh | None):

@@ -19,7 +19,17 @@ from mff.train.log import RunLog, is_rank0, print0
 from mff.train.state import check_resume_config, config_to_dict, restore_rng, rng_state
 
 __all__ = ["parse_model_args", "RunLog", "config_to_dict", "check_resume_config", "rng_state", "restore_rng", "fail", "print0", "is_rank0",
-           "run_training_main", "run_recipe_main"]
+           "run_training_main", "run_recipe_main", "refuse_pipeline"]
+
+
+def refuse_pipeline(argv: Sequence[str], recipe: str) -> None:
+    """Raise ValueError when ``argv`` asks ``recipe`` (generate, eval) for pipeline parallelism,
+    which only training runs (its checkpoints are keyed by global param paths, so a pipeline-
+    trained checkpoint is generated from and evaluated as it is)."""
+    for a in argv:
+        if a == "--parallel.pp" or a.startswith(("--parallel.pp=", "--parallel.pp-", "--parallel-pp")):
+            raise ValueError(f"{a.split('=')[0]}: {recipe} does not run pipeline parallelism (pipeline stages are for training: "
+                             f"python -m mff.recipes.pretrain --parallel.pp N); {recipe} reads a pipeline run's checkpoint as any other")
 
 
 def fail(err: BaseException, code: int) -> int:

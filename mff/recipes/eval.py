@@ -31,7 +31,7 @@ import torch
 import tyro
 
 from mff.backend import init_distributed, local_device, resolve_device
-from mff.recipes.common import is_rank0, run_recipe_main
+from mff.recipes.common import is_rank0, refuse_pipeline, run_recipe_main
 
 __all__ = ["EvalConfig", "run", "main", "format_table"]
 
@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_recipe_main(lambda: run_harness(rest[1:] if rest[:1] == ["--"] else rest))
 
     def body() -> int:
+        refuse_pipeline(argv, "eval")
         run(tyro.cli(EvalConfig, args=argv, prog="python -m mff.recipes.eval", description=__doc__))
         return 0
 

@@ -174,6 +174,9 @@ def _resolve(cfg: FinetuneConfig, argv: list[str], train_rows: int) -> FinetuneC
 
 
 def _check_lora(cfg: FinetuneConfig) -> None:
+    if cfg.parallel.pp > 1:
+        raise ValueError(f"--parallel.pp {cfg.parallel.pp}: pipeline parallelism is built for pretraining only; fine-tune with "
+                         "--parallel.dp-shard, --parallel.tp and --parallel.ep")
     cfg.lora.validate()
     if not cfg.lora.enabled:
         return

@@ -28,7 +28,7 @@ from mff.data.chat import render_chat_template
 from mff.decode_timing import break_even_tokens, read_record, record_path, update_record
 from mff.generate import cache_bucket, generate
 from mff.peft.load import load_with_text
-from mff.recipes.common import run_recipe_main
+from mff.recipes.common import refuse_pipeline, run_recipe_main
 from mff.sampling import SamplingConfig
 from mff.train.state import config_to_dict
 
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
 
     def body() -> int:
+        refuse_pipeline(argv, "generate")
         run(tyro.cli(GenerateConfig, args=argv, prog="python -m mff.recipes.generate", description=__doc__))
         return 0
 

@@ -78,10 +78,12 @@ def prepare_init(argv: list[str], default_ckpt_dir: str):
     return (model.family.name, model.config), params, known.tokenizer or str(tok_path)
 
 
-def apply_init(params, loaded, where: str):
+def apply_init(params, loaded, where: str, model_params=None):
     """Copy ``loaded`` (plain tensors) onto the placements of ``params``; shapes must match and
-    every loaded tensor must be used (a --model.* override that drops layers is refused)."""
-    unused = sorted(set(loaded) - set(params))
+    every loaded tensor must be a param of the model (a --model.* override that drops layers is
+    refused). ``model_params``: every param path of the model, when ``params`` holds a part of
+    them (a pipeline stage's)."""
+    unused = sorted(set(loaded) - set(params if model_params is None else model_params))
     if unused:
         raise ckpt.CheckpointError(f"{where} has {len(unused)} tensors this model does not, e.g. {unused[:4]}: the --model.* "
                                    "overrides change the architecture; drop them")

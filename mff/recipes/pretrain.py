@@ -40,6 +40,7 @@ from mff.recipes.mindformers_yaml import expand_argv as expand_mindformers_argv
 from mff.train.config import TrainConfig, fit_default_precision, fit_default_warmup
 from mff.train.loop import Loop, check_train_config, memory_check, print_run_header, rank_slices, resumable, resume, train_loop
 from mff.train.metrics import device_peak_flops
+from mff.train.pipeline import Pipeline
 from mff.train.precision import param_dtype
 
 C = TypeVar("C")
@@ -110,33 +111,42 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     check_model_fits(get_family(family), cfg.model, dist_info.device, param_dtype(cfg.precision), "--model", shards=dist_info.world_size)
     model = build(family, cfg.model).with_execution(cfg.ac, cfg.compile)
     check_train_config(cfg, model, dp_size)
+    # pipeline stages: this rank's part of the layers (a split or micro-batch count that cannot run fails here)
+    pipe = Pipeline(model, cfg.parallel, mesh, cfg.seq_len, cfg.batch_size // dp_size // cfg.grad_accum, dist_info.device,
+                    cfg.precision) if cfg.parallel.pp > 1 else None
     _lock = ckpt.lock_dir(cfg.ckpt_dir) if dist_info.rank == 0 else None  # held until run() returns
-    mem = memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size() * mesh["ep"].size() * mesh["tp"].size(), dp_size)
+    mem = memory_check(cfg, model, dist_info.device, mesh["dp_shard"].size() * mesh["ep"].size() * mesh["tp"].size() * cfg.parallel.pp,
+                       dp_size)
     last = resumable(cfg, family, model)  # a checkpoint this run cannot continue fails here, before the data is read
     # params (a dim that does not divide its mesh axes fails here, before the data is read)
     with collective("distributing the initial params"):
-        params = model.init(cfg.seed, dist_info.device, param_dtype(cfg.precision), mesh)
+        params = model.init(cfg.seed, dist_info.device, param_dtype(cfg.precision), mesh, keys=pipe.keys if pipe else None)
     # data
     loader, val_batches, val_entropy, data_line = _data(cfg, model, dp_rank, dp_size, dist_info.rank)
     # optimizer, then resume
     opt_state = init_state(cfg.optim, params)
     if init_params is not None and last is None:
-        params = apply_init(params, init_params, cfg.init_from)
+        params = apply_init(params, init_params, cfg.init_from, model.param_shapes())
         opt_state = init_state(cfg.optim, params)
         print0(f"initialised from {cfg.init_from} (fresh optimizer, step 0)")
     elif init_params is not None:
         print0(f"--init-from {cfg.init_from} ignored: resuming from {cfg.ckpt_dir}")
     init_params = None
-    params, opt_state, start, tokens_seen = resume(cfg, last, params, opt_state, loader)
+    params, opt_state, start, tokens_seen = resume(cfg, last, params, opt_state, loader, model.param_shapes() if pipe else None)
+    saved = {k: params[k] for k in pipe.owned} if pipe else params  # a shared embedding is saved from the first stage
 
     peak, peak_src = device_peak_flops(dist_info.device)
     flops_per_token = model.train_flops_per_token(cfg.seq_len)
     print_run_header(f"{family}/{size}", model, dist_info, mesh, params, mem, data_line, peak, peak_src, flops_per_token)
     meta = {"recipe": "pretrain", "family": family, "size": size, "config": config_to_dict(model.config), "run": config_to_dict(cfg, skip=("model",)),
             "mesh": {"axes": list(mesh.mesh_dim_names), "shape": list(mesh.shape)}, "placements": placements_of(params)}
-    return train_loop(Loop(cfg, model, params, params, opt_state, loader, val_batches, val_entropy, meta, dist_info.device,
+    if pipe is not None:
+        print0(pipe.describe())
+        meta["mesh"] = {"axes": ["pp", *mesh.mesh_dim_names], "shape": [cfg.parallel.pp, *mesh.shape]}
+        meta["pipeline"] = pipe.meta()
+    return train_loop(Loop(cfg, model, params, saved, opt_state, loader, val_batches, val_entropy, meta, dist_info.device,
                            dist_info.world_size, start, tokens_seen, getattr(model.config, "moe_router_bias_update_rate", 0.0),
-                           flops_per_token, peak))
+                           flops_per_token, peak, pipeline=pipe))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import json
 import math
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,15 +170,18 @@ def resumable(cfg: TrainConfig, family: str, model: Model, check: Callable[[dict
     return last
 
 
-def resume(cfg: TrainConfig, last: Path | None, saved: dict[str, torch.Tensor], opt_state: dict, loader) -> tuple[dict, dict, int, int]:
+def resume(cfg: TrainConfig, last: Path | None, saved: dict[str, torch.Tensor], opt_state: dict, loader,
+           model_params: Collection[str] | None = None) -> tuple[dict, dict, int, int]:
     """Load the checkpoint folder ``last`` (from :func:`resumable`; None: start at step 0) onto
     the templates ``saved`` (the params a checkpoint holds) and ``opt_state``, and the loader's
-    position and the RNG states; returns ``(saved params, optimizer state, step, tokens seen)``."""
+    position and the RNG states; returns ``(saved params, optimizer state, step, tokens seen)``.
+    ``model_params``: every param path of the model, when ``saved`` holds a part of them (this
+    rank's pipeline stages)."""
     if last is None:
         return saved, opt_state, 0, 0
     where = f"{last / 'meta.msgpack'}"
     with _previous_step_hint(last):
-        saved, opt_state, meta = ckpt.load(last, saved, opt_state)
+        saved, opt_state, meta = ckpt.load(last, saved, opt_state, model_params)
         try:
             loader.load_state_dict(meta["data"])
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:
@@ -261,6 +264,8 @@ class Loop:
         bias_update_rate: the expert-bias step (aux-loss-free balancing; 0 = off).
         flops_per_token, peak_flops: for MFU.
         epoch: ``loader position -> epochs`` for the log (None: not shown).
+        pipeline: this rank's pipeline stages (:class:`mff.train.pipeline.Pipeline`) under
+            pipeline parallelism, which then runs the steps and the validation; None otherwise.
     """
 
     cfg: TrainConfig
@@ -281,6 +286,7 @@ class Loop:
     peak_flops: float = 1.0
     epoch: Callable[[], float] | None = None
     extra_meta: Callable[[], dict] = field(default_factory=lambda: dict)
+    pipeline: Any = None
 
 
 def _remeasure_peak(run: Loop, log: RunLog, step: int, tps: float) -> float:
@@ -345,7 +351,8 @@ def _steps(run: Loop, cfg: TrainConfig, end: int, log: RunLog, stop: dict) -> in
         meta = {**run.meta, **run.extra_meta(), "tokens_seen": tokens_seen, "data": run.loader.state_dict(), "rng": rng_state()}
         with collective(f"checkpoint of step {step}"):
             check_finite(run.saved, run.opt_state)
-            path = ckpt.save(cfg.ckpt_dir, step, run.saved, run.opt_state, meta, cfg.keep_last)
+            state = run.pipeline.saved_state(run.opt_state) if run.pipeline is not None else run.opt_state
+            path = ckpt.save(cfg.ckpt_dir, step, run.saved, state, meta, cfg.keep_last)
         log.write(f"checkpoint {path}")
 
     if run.start >= end:
@@ -361,8 +368,11 @@ def _steps(run: Loop, cfg: TrainConfig, end: int, log: RunLog, stop: dict) -> in
             lr = lr_at(step, cfg.optim, cfg.steps)
             batch = {k: v.to(run.device) for k, v in run.loader.next_batch().items()}
             with collective(f"step {step}"):
-                stats = train_step(run.model, run.params, run.opt_state, split_microbatches(batch, cfg.grad_accum), lr, cfg.optim,
-                                   run.bias_update_rate, cfg.precision)
+                micro = split_microbatches(batch, cfg.grad_accum)
+                if run.pipeline is not None:
+                    stats = run.pipeline.step(run.params, run.opt_state, micro, lr, cfg.optim, run.bias_update_rate)
+                else:
+                    stats = train_step(run.model, run.params, run.opt_state, micro, lr, cfg.optim, run.bias_update_rate, cfg.precision)
             tokens_seen += stats.tokens
             dt = time.perf_counter() - t0
             tps = stats.tokens / dt
@@ -379,8 +389,11 @@ def _steps(run: Loop, cfg: TrainConfig, end: int, log: RunLog, stop: dict) -> in
                 rec["epoch"] = run.epoch()
             if run.val_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
                 with collective(f"validation at step {step}"):
-                    rec["val_loss"] = eval_loss(run.model, run.params, [{k: v.to(run.device) for k, v in b.items()} for b in run.val_batches],
-                                                cfg.precision)
+                    val = [{k: v.to(run.device) for k, v in b.items()} for b in run.val_batches]
+                    if run.pipeline is not None:
+                        rec["val_loss"] = run.pipeline.eval_loss(run.params, val)
+                    else:
+                        rec["val_loss"] = eval_loss(run.model, run.params, val, cfg.precision)
             log.step(rec, run.val_entropy)
             signum = _stop_signal(stop, run.world_size, run.device)
             if step == end or (cfg.save_every and step % cfg.save_every == 0) or signum:

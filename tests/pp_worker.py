@@ -1,0 +1,128 @@
+"""Three fp32 AdamW training steps of tiny 4-layer models under pipeline parallelism, saving what
+the layout must not change: the losses, the grad norms, the expert loads of every step and the
+final full params.
+
+    torchrun --nproc_per_node=2 tests/pp_worker.py OUT --families deepseek3,qwen3 --pp 2 --schedule 1f1b
+    python tests/pp_worker.py OUT --families deepseek3,qwen3          # the single-process reference
+
+Every rank builds the same global batch; each data-parallel rank takes its rows and cuts them
+into micro-batches of ``--micro-rows`` rows: the pipeline runs them as its micro-batches, the
+reference one after the other (grad accumulation), so both compute the same per-micro-batch
+balance losses. Each rank writes ``OUT.rank<R>`` with the full values of the params it holds
+(the test merges them). Used by tests/test_pp.py; not a test itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mff  # noqa: E402
+import mff.nn.moe as moe  # noqa: E402
+from mff.backend import init_distributed  # noqa: E402
+from mff.models import get_family  # noqa: E402
+from mff.optim import OptimConfig, init_state  # noqa: E402
+from mff.parallel import ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size  # noqa: E402
+from mff.train.pipeline import Pipeline  # noqa: E402
+from mff.train.step import train_step  # noqa: E402
+
+STEPS = 3
+GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 255
+
+
+def tiny(family: str):
+    """A tiny 4-layer config of ``family`` (deepseek3: a dense first layer, 3 MoE layers, one
+    MoE MTP depth and a balance loss; qwen3: tied embeddings; qwen3_moe: a Switch balance loss)."""
+    cfg = get_family(family).sizes["tiny"]
+    over = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128)
+    if family in ("deepseek3", "telechat3"):
+        over.update(moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, first_k_dense_replace=1, n_routed_experts=4,
+                    num_experts_per_tok=2, n_group=1, topk_group=1, num_nextn_predict_layers=1, aux_loss_alpha=1e-3)
+    else:
+        over.update(num_key_value_heads=2, head_dim=16)
+        if family in ("qwen3_moe", "glm4_moe"):
+            over.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=1e-2)
+    names = {f.name for f in dataclasses.fields(cfg)}
+    return mff.build(family, dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names}))
+
+
+def global_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def run(family: str, mesh, parallel: ParallelConfig, micro_rows: int) -> dict:
+    model = tiny(family)
+    dp, rank = data_parallel_size(mesh), data_parallel_rank(mesh)
+    rows = GLOBAL_BATCH // dp
+    pipe = None
+    if parallel.pp > 1:
+        parallel = dataclasses.replace(parallel, pp_microbatches=rows // micro_rows)
+        pipe = Pipeline(model, parallel, mesh, SEQ, rows, torch.device("cpu"))
+        params = model.init(seed=7, mesh=mesh, keys=pipe.keys)
+    else:
+        params = model.init(seed=7, mesh=mesh)
+    # eps 1e-5 as tests/layout_worker.py: a grad that is zero up to rounding must not turn a
+    # summation-order difference into a visible param difference
+    optim = OptimConfig(lr=1e-3, max_grad_norm=1.0, eps=1e-5)
+    state = init_state(optim, params)
+    losses, terms, norms, loads = [], [], [], []
+    for step in range(STEPS):
+        b = global_batch(step)
+        mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()}
+        if pipe is not None:
+            stats = pipe.step(params, state, [mine], optim.lr, optim, bias_update_rate=1e-3)
+        else:
+            micro = [{k: v[i:i + micro_rows] for k, v in mine.items()} for i in range(0, rows, micro_rows)]
+            stats = train_step(model, params, state, micro, optim.lr, optim, bias_update_rate=1e-3)
+        losses.append(stats.loss)
+        terms.append(stats.losses)
+        norms.append(stats.grad_norm)
+        loads.append({k: v.clone() for k, v in stats.expert_load.items()})
+    saved = pipe.owned if pipe is not None else list(params)
+    return {"losses": losses, "terms": terms, "grad_norms": norms, "loads": loads, "params": {k: full(params[k]) for k in saved},
+            "stages": pipe.describe() if pipe is not None else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--families", required=True)
+    ap.add_argument("--micro-rows", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--stages-per-rank", type=int, default=None)
+    ap.add_argument("--dp-shard", type=int, default=-1)
+    ap.add_argument("--ep", type=int, default=1)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    info = init_distributed("cpu", 120.0)
+    parallel = ParallelConfig(pp=a.pp, pp_schedule=a.schedule, pp_stages_per_rank=a.stages_per_rank, dp_shard=a.dp_shard, ep=a.ep)
+    mesh = build_mesh("cpu", parallel, info.world_size)
+    result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "ep_dispatches": 0}
+    dispatched = moe._dispatched_experts
+
+    def counting(*args):  # the test checks that an ep layout really sends tokens to their experts' ranks
+        result["ep_dispatches"] += 1
+        return dispatched(*args)
+
+    moe._dispatched_experts = counting
+    for family in a.families.split(","):
+        result[family] = run(family, mesh, parallel, a.micro_rows)
+    torch.save(result, f"{a.out}.rank{info.rank}")
+
+
+if __name__ == "__main__":
+    main()
