@@ -28,3 +28,13 @@ def torchrun(nproc: int, args: list[str], cache: Path, timeout: float = 300, env
     """Run ``target`` (default: ``-m mff.recipes.pretrain``) with ``args`` on ``nproc`` processes."""
     return subprocess.run(torchrun_cmd(nproc, [*target, *args], launcher), capture_output=True, text=True,
                           env={**cli_env(cache), **(env or {})}, cwd=ROOT, timeout=timeout)
+
+
+def torchrun_rank_stderr(nproc: int, args: list[str], tmp_path: Path, timeout: float = 180,
+                         target: list[str] = ("-m", "mff.recipes.pretrain")) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``torchrun`` with per-rank stderr files (under ``tmp_path/logs``); returns the result and
+    each rank's stderr text."""
+    logs = tmp_path / "logs"
+    r = torchrun(nproc, args, tmp_path / "cache", timeout=timeout, target=target,
+                 launcher=["--log-dir", str(logs), "--redirects", "2", "--monitor-interval", "1"])
+    return r, [next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text() for rank in range(nproc)]

@@ -20,6 +20,8 @@ import os
 import sys
 
 import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,8 +79,9 @@ def run(family: str, mesh, parallel: ParallelConfig, micro_rows: int) -> dict:
     # summation-order difference into a visible param difference
     optim = OptimConfig(lr=1e-3, max_grad_norm=1.0, eps=1e-5)
     state = init_state(optim, params)
-    losses, terms, norms, loads = [], [], [], []
+    losses, terms, norms, loads, scatters = [], [], [], [], []
     for step in range(STEPS):
+        COUNT["reduce_scatter"] = 0
         b = global_batch(step)
         mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in b.items()}
         if pipe is not None:
@@ -90,9 +93,26 @@ def run(family: str, mesh, parallel: ParallelConfig, micro_rows: int) -> dict:
         terms.append(stats.losses)
         norms.append(stats.grad_norm)
         loads.append({k: v.clone() for k, v in stats.expert_load.items()})
+        scatters.append(COUNT["reduce_scatter"])
     saved = pipe.owned if pipe is not None else list(params)
+    names = mesh.mesh_dim_names
+    fsdp = sum(1 for v in params.values() if v.requires_grad and any(
+        isinstance(p, Shard) and names[i] == "dp_shard" and mesh.size(i) > 1 for i, p in enumerate(v.placements)))
     return {"losses": losses, "terms": terms, "grad_norms": norms, "loads": loads, "params": {k: full(params[k]) for k in saved},
-            "stages": pipe.describe() if pipe is not None else None}
+            "stages": pipe.describe() if pipe is not None else None, "reduce_scatters": scatters, "fsdp_params": fsdp,
+            "microbatches": pipe.microbatches if pipe is not None else len(range(0, rows, micro_rows))}
+
+
+COUNT = {"reduce_scatter": 0}
+_reduce_scatter = funcol.reduce_scatter_single
+
+
+def _counting_reduce_scatter(*args, **kwargs):  # DTensor's Partial -> Shard (the FSDP gradient reduction) calls this
+    COUNT["reduce_scatter"] += 1
+    return _reduce_scatter(*args, **kwargs)
+
+
+funcol.reduce_scatter_single = _counting_reduce_scatter
 
 
 def main() -> None:

@@ -12,16 +12,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mff.parallel.summary import compact_placement, placement_table
 from tests.cli_util import make_corpus, tiny_args
-from tests.dist_util import torchrun
+from tests.dist_util import torchrun_rank_stderr
 
 
 def _launch(tmp_path, extra: list[str]) -> tuple[subprocess.CompletedProcess, list[str]]:
     """torchrun 2 processes with per-rank stderr files; returns the result and each rank's stderr."""
-    logs = tmp_path / "logs"
     args = tiny_args(make_corpus(tmp_path / "corpus")) + ["--steps", "2", "--ckpt-dir", str(tmp_path / "ck"), *extra]
-    r = torchrun(2, args, tmp_path / "cache", timeout=180, launcher=["--log-dir", str(logs), "--redirects", "2", "--monitor-interval", "1"])
-    per_rank = [next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text() for rank in range(2)]
-    return r, per_rank
+    return torchrun_rank_stderr(2, args, tmp_path)
 
 
 @pytest.mark.parametrize("extra, cause", [

@@ -129,9 +129,9 @@ def test_legacy_deepseek3_yaml_maps_and_runs_on_mindrecord(tmp_path):
     tree["train_dataset"]["data_loader"]["dataset_dir"] = str(tmp_path / "mr" / "tiny_pretrain.mindrecord")
     tree["output_dir"] = str(tmp_path / "out")
     run_yaml = _write_yaml(tmp_path / "legacy.yaml", tree)
-    # pipeline_stage 2 maps to --parallel.pp 2, which mff's own validation refuses
+    # pipeline_stage 2 maps to --parallel.pp 2, which one process cannot hold
     r = run_cli(["--from-mindformers-yaml", run_yaml, "--threads", "1"], tmp_path / "cache", timeout=600)
-    assert r.returncode == 2 and "--parallel.pp 2: pipeline parallelism is not supported yet" in r.stderr
+    assert r.returncode == 2 and "mesh pp 2 x dp_replicate 1 x dp_shard 2 x ep 1 x tp 1 = 4 processes, but WORLD_SIZE is 1" in r.stderr, r.stderr
     # flags given after the YAML win
     r = run_cli(["--from-mindformers-yaml", run_yaml, "--parallel.pp", "1", "--parallel.dp-shard", "1", "--threads", "1", "--eval-every", "0"],
                 tmp_path / "cache", timeout=600)

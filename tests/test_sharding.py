@@ -72,9 +72,17 @@ def test_mesh_shape_rules():
         mesh_shape(ParallelConfig(dp_shard=2, tp=2), 2)
     with pytest.raises(ValueError, match="not divisible by dp_replicate 1 x ep 1 x tp 3"):
         mesh_shape(ParallelConfig(tp=3), 4)
-    for name in ("pp", "cp"):
-        with pytest.raises(ValueError, match=f"--parallel.{name} 2: .* parallelism is not supported yet"):
-            mesh_shape(ParallelConfig(**{name: 2}), 2)
+    with pytest.raises(ValueError, match="--parallel.cp 2: context parallelism is not supported yet"):
+        mesh_shape(ParallelConfig(cp=2), 2)
+    # pipeline stages take their share of the world; the returned shape is one stage's mesh
+    assert mesh_shape(ParallelConfig(pp=2), 2) == (1, 1, 1, 1)
+    assert mesh_shape(ParallelConfig(pp=2, ep=2), 8) == (1, 2, 2, 1)
+    with pytest.raises(ValueError, match=r"WORLD_SIZE 4 is not divisible by pp 3 x dp_replicate 1 x ep 1 x tp 1 = 3"):
+        mesh_shape(ParallelConfig(pp=3), 4)
+    with pytest.raises(ValueError, match=r"mesh pp 2 x dp_replicate 1 x dp_shard 1 x ep 1 x tp 1 = 2 processes, but WORLD_SIZE is 4"):
+        mesh_shape(ParallelConfig(pp=2, dp_shard=1), 4)
+    with pytest.raises(ValueError, match=r"--parallel.pp 0: must be an integer >= 1"):
+        mesh_shape(ParallelConfig(pp=0), 4)
 
 
 def test_dtensor_params_give_same_logits_and_matching_grad_placements(dist1):
