@@ -34,6 +34,7 @@ from mff.nn.moe import Experts
 from mff.optim import lr_at
 from mff.optim.schedule import decay_steps_of
 from mff.parallel import placements_of
+from mff.parallel.mesh import pipeline_size
 from mff.parallel.summary import placement_table
 from mff.parallel.watchdog import collective
 from mff.train.config import TrainConfig
@@ -210,7 +211,10 @@ def print_run_header(name: str, model: Model, dist_info, mesh, params: Mapping[s
     mtp = (f"; without MTP {counts['total_no_mtp']:,} / {counts['activated_no_mtp']:,}"
            if counts["total_no_mtp"] != counts["total"] else "")
     print0(f"model {name}: {counts['total']:,} params ({counts['activated']:,} activated per token{mtp}){extra}")
-    print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
+    axes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    if pipeline_size(mesh) > 1:
+        axes = {"pp": pipeline_size(mesh), **axes}
+    print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {axes}")
     if len(set(placements.values())) == 1:
         print0(f"placements: {next(iter(placements.values()))} (all {len(placements)} params)")
     else:
