@@ -51,36 +51,54 @@ TERMS = ("lm", "mtp", "balance")
 
 
 def layer_costs(model: Model, balance: str, seq_len: int) -> tuple[list[float], float, float]:
-    """Per decoder layer the cost a stage split balances, and the extra costs of the first
-    stage (the embedding) and of the last (final norm, head, MTP depths). ``balance``:
-    ``params`` (param counts) or ``flops`` (training FLOPs per token: 6 per activated param,
-    routed experts counted K/E of their size as the families count them, plus causal attention
-    over ``seq_len``: the family's ``train_flops_per_token`` applied to each part)."""
-    L = model.config.num_hidden_layers
-    layer = [0.0] * L
-    first = last = 0.0
-    shapes = model.param_shapes()
+    """Per decoder layer the cost a stage split balances, and the extra costs of the first stage
+    (the embedding) and of the last (final norm, head, MTP depths).
+
+    ``balance``: ``params`` (param counts; the embedding counts on the first stage) or ``flops``
+    (training FLOPs per token: 6 per activated param, routed experts at K/E of their size, plus
+    each layer's share of the causal attention term of the family's ``train_flops_per_token``,
+    found as ``(f(T) - f(T - 1)) (T + 1)`` since that term grows with ``T + 1``; the embedding
+    lookup costs nothing, the head 6 V D per prediction: the main one and one per MTP depth).
+
+    Raises:
+        ValueError: an unknown ``balance``.
+    """
     if balance not in ("params", "flops"):
         raise ValueError(f"--parallel.pp-balance {balance!r}: expected params or flops")
-    for path, shape in shapes.items():
+    cfg = model.config
+    L = cfg.num_hidden_layers
+    flops = balance == "flops"
+    layer = [0.0] * L
+    first = last = 0.0
+    mtp_layers: set[int] = set()
+    head = 0.0
+    for path, shape in model.param_shapes().items():
         n = float(math.prod(shape))
-        if balance == "flops" and ".experts." in path:
+        if flops and ".experts." in path:
             n *= _expert_fraction(model)
         parts = path.split(".")
         if parts[:2] == ["model", "layers"] and int(parts[2]) < L:
             layer[int(parts[2])] += n
         elif parts[:2] == ["model", "embed_tokens"]:
-            first += 0.0 if balance == "flops" else n  # a lookup: no FLOPs
+            first += 0.0 if flops else n
+            head = n if getattr(cfg, "tie_word_embeddings", False) else head
         else:
-            last += n
-    if balance == "flops":
-        total = model.train_flops_per_token(seq_len)
-        attn = (total / 6.0 - sum(layer) - last) / max(1, L)  # the attention term the family adds per layer
-        layer = [c + max(0.0, attn) for c in layer]
-    return layer, first, last
+            if parts[:2] == ["model", "layers"]:
+                mtp_layers.add(int(parts[2]))
+            if path == "lm_head.weight":
+                head = n
+            else:
+                last += n
+    if not flops:
+        return layer, first, last + head
+    attn_total = (model.train_flops_per_token(seq_len) - model.train_flops_per_token(max(0, seq_len - 1))) * (seq_len + 1) / 6.0
+    attn = attn_total / (L + len(mtp_layers))
+    costs = [6.0 * (c + attn) for c in layer]
+    return costs, 0.0, 6.0 * (last + len(mtp_layers) * attn + head * (1 + len(mtp_layers)))
 
 
 def _expert_fraction(model: Model) -> float:
+    """K / E: the share of the routed experts' params one token activates (1 without experts)."""
     cfg = model.config
     E = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None)
     K = getattr(cfg, "num_experts_per_tok", None)
