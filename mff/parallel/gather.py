@@ -29,7 +29,6 @@ the step in the same way: ``reshard_after_forward=False``).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -39,7 +38,9 @@ from mff.parallel.mesh import DATA_AXES
 
 __all__ = ["DATA_AXES", "gather", "gather_for_step", "local_grads", "reduce_step_grad"]
 
-_LOCAL_GRADS = contextvars.ContextVar("mff_local_grads", default=False)
+# a plain flag, not a ContextVar: torch.compile reads (and guards on) module globals inside a
+# compiled block, where reading a ContextVar would break the graph
+_LOCAL_GRADS = {"on": False}
 
 
 @contextlib.contextmanager
@@ -47,11 +48,12 @@ def local_grads() -> Iterator[None]:
     """Within this context :func:`gather` declares the gradients of the data-parallel axes
     unreduced (each rank keeps its own): for params gathered once per step by
     :func:`gather_for_step`, whose gradients :func:`reduce_step_grad` sums once."""
-    token = _LOCAL_GRADS.set(True)
+    before = _LOCAL_GRADS["on"]
+    _LOCAL_GRADS["on"] = True
     try:
         yield
     finally:
-        _LOCAL_GRADS.reset(token)
+        _LOCAL_GRADS["on"] = before
 
 
 def gather(w: torch.Tensor, keep: tuple[str, ...] = (), partial: tuple[str, ...] = ()) -> torch.Tensor:
@@ -72,7 +74,7 @@ def gather(w: torch.Tensor, keep: tuple[str, ...] = (), partial: tuple[str, ...]
         return w
     mesh = w.device_mesh
     names = mesh.mesh_dim_names or ()
-    defer = _LOCAL_GRADS.get()
+    defer = _LOCAL_GRADS["on"]
     target, grad = [], []
     for i, p in enumerate(w.placements):
         name = names[i] if i < len(names) else ""
