@@ -367,14 +367,18 @@ class Model:
                 out.append(path)
         return out
 
+    def mtp_layers(self) -> list[int]:
+        """Layer indices of the MTP depths the skeleton holds (``model.layers.{i}`` with i >=
+        num_hidden_layers; empty for families without MTP or with it off)."""
+        L = self.config.num_hidden_layers
+        return sorted({int(p.split(".")[2]) for p in self._shapes if p.startswith("model.layers.") and int(p.split(".")[2]) >= L})
+
     def shared_keys(self) -> list[str]:
         """Params both the first and the last pipeline stage use: the token embedding when the
         head is tied to it or the model has MTP depths (Megatron's "shared embedding" under
         pipeline parallelism: each stage keeps a copy, their gradients are summed, and the
         first stage's copy is the one saved)."""
-        L = self.config.num_hidden_layers
-        mtp = any(p.startswith("model.layers.") and int(p.split(".")[2]) >= L for p in self._shapes)
-        if not (getattr(self.config, "tie_word_embeddings", False) or mtp):
+        if not (getattr(self.config, "tie_word_embeddings", False) or self.mtp_layers()):
             return []
         return [p for p in self._shapes if p.startswith("model.embed_tokens.")]
 

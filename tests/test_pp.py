@@ -212,3 +212,28 @@ def test_stage_layout_places_stages_round_robin():
     assert [list(r) for r in lay.layers] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert lay.stages_of(0) == [0, 2] and lay.stages_of(1) == [1, 3] and lay.rank_of(3) == 1
     assert [len(r) for r in stage_layout(5, 2, 1, "1,4").layers] == [1, 4]
+
+
+@pytest.mark.parametrize("family", ["deepseek3", "telechat3", "qwen3", "qwen3_moe", "glm4", "glm4_moe", "llama"])
+def test_stages_in_order_give_the_forward_losses(family):
+    """Every family: the stage functions run one after the other on one process (each with
+    exactly its stage's params) give the losses of ``forward``, term by term."""
+    from tests.pp_worker import global_batch, tiny
+
+    model = tiny(family)
+    params = model.init(seed=3)
+    batch = global_batch(0)
+    want = model.forward(params, batch, logits=False).losses
+    layout = stage_layout(model.config.num_hidden_layers, 3, 1, "1,2,1")
+    carry, loads = (), {}
+    for s, layers in enumerate(layout.layers):
+        first, last = s == 0, s == layout.num_stages - 1
+        keys = model.stage_keys(layers, first, last)
+        carry, stage_loads = model.stage_forward({k: params[k] for k in keys}, carry, layers, first, last, batch)
+        loads.update(stage_loads)
+    assert carry.keys() == want.keys()
+    for k in want:
+        assert float(carry[k]) == pytest.approx(float(want[k]), abs=1e-6), k
+    assert sorted(loads) == sorted(model.forward(params, batch, logits=False).expert_load)
+    shared = model.shared_keys()
+    assert bool(shared) == (getattr(model.config, "tie_word_embeddings", False) or bool(model.mtp_layers())), shared

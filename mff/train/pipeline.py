@@ -175,13 +175,11 @@ class Pipeline:
 
     def describe(self) -> str:
         """One line: the schedule, micro-batches and each stage's layers and rank."""
-        L = self.model.config.num_hidden_layers
+        last = self.layout.num_stages - 1
+        tail = ["head", "loss"] + (["MTP"] if self.model.mtp_layers() else [])
         parts = []
         for s, r in enumerate(self.layout.layers):
-            extra = (["embedding"] if s == 0 else []) + (["head", "loss"] if s == self.layout.num_stages - 1 else [])
-            mtp = [k for k in self.model.param_shapes() if k.startswith("model.layers.") and int(k.split(".")[2]) >= L]
-            if mtp and s == self.layout.num_stages - 1:
-                extra.append("MTP")
+            extra = (["embedding"] if s == 0 else []) + (tail if s == last else [])
             parts.append(f"stage {s} (rank {self.layout.rank_of(s)}): layers {r.start}-{r.stop - 1}" + (f" + {', '.join(extra)}" if extra else ""))
         return (f"pipeline: {self.schedule_name}, {self.layout.num_stages} stages on {self.pp} ranks, "
                 f"{self.microbatches} micro-batches; " + "; ".join(parts))
