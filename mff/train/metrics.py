@@ -12,23 +12,28 @@ import time
 
 import torch
 
+from mff.plan.devices import DEVICES
+
 __all__ = ["PEAK_FLOPS", "measure_matmul_flops", "device_peak_flops", "mfu", "memory_estimate_gib"]
 
+_PLANNED = {key: d.peak_flops for key, d in DEVICES.items()}  # the planner's device table (one source for both)
+
 PEAK_FLOPS = {
-    # device-name substring -> dense bf16 FLOP/s (vendor data sheets)
-    "H200": 989e12,
-    "H100": 989e12,
-    "H800": 989e12,
+    # device-name substring -> dense bf16 FLOP/s (vendor data sheets; mff.plan.devices for the parts the planner models)
+    "H200": _PLANNED["h200"],
+    "H100": _PLANNED["h100"],
+    "H800": _PLANNED["h800"],
+    "B200": _PLANNED["b200"],
     "A100": 312e12,
     "A800": 312e12,
     "L40S": 362e12,
     # Ascend, by the SoC name torch.npu.get_device_name reports: dense fp16/bf16 figures as publicly
     # cited for these parts (approximate; not measured in this project, which has had no NPU)
     "Ascend910B4": 280e12,  # Atlas 800I A2 class
-    "Ascend910B": 313e12,  # Atlas 800T A2 (910B1-B3): 2.5 PFLOPS fp16 per 8-NPU server
-    "Ascend910_93": 376e12,  # Atlas 900 A3 SuperPoD: one 910C die (torch_npu sees each die as a device)
-    "910B": 313e12,
-    "910C": 376e12,
+    "Ascend910B": _PLANNED["910b"],  # Atlas 800T A2 (910B1-B3): 2.5 PFLOPS fp16 per 8-NPU server
+    "Ascend910_93": _PLANNED["910c"],  # Atlas 900 A3 SuperPoD: one 910C die (torch_npu sees each die as a device)
+    "910B": _PLANNED["910b"],
+    "910C": _PLANNED["910c"],
 }
 
 

@@ -1,0 +1,165 @@
+"""A whole plan: the layout, per pp rank its memory, communication and FLOPs, the bubble and the
+step estimate, as one JSON-ready dict (what ``python -m mff.recipes.plan`` prints and writes).
+
+The memory figure is the most loaded pp rank's (the plan names it): every rank's is computed.
+Communication is listed for that same rank; the step estimate takes the slowest rank.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from mff.parallel.mesh import MESH_AXES, ParallelConfig
+from mff.plan.activations import stage_activations
+from mff.plan.comm import CommRow, comm_seconds, fsdp_rows, layer_rows, pp_rows
+from mff.plan.devices import get_device
+from mff.plan.estimate import estimate_step, optimizer_seconds, stage_flops_per_token
+from mff.plan.layout import resolve_layout
+from mff.plan.memory import GIB, RankMemory, rank_memory
+from mff.plan.schedule import bubble_fraction, peak_by_stage, rank_actions
+from mff.plan.shards import param_shards
+
+__all__ = ["PlanDoesNotFit", "make_plan"]
+
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class PlanDoesNotFit(ValueError):
+    """The layout needs more memory per device than the device has (the message says how much)."""
+
+
+@dataclass(frozen=True)
+class _Rank:
+    keys: list[str]
+    layers: list[int]
+    memory: RankMemory
+    flops: float
+    ac_factor: float
+    rows: list[CommRow]
+    once: list[CommRow]
+
+
+def _rank(model, layout, r: int, shards, blocks, flops, cfg, c: int) -> _Rank:
+    S, pp, L = layout.stages.num_stages, layout.sizes["pp"], model.config.num_hidden_layers
+    local = layout.stages.stages_of(r)
+    n_blocks = len(model.skeleton.model.layers)
+    keys: dict[str, None] = {}
+    layers, stages, none_stages = [], {}, {}
+    for s in local:
+        first, last = s == 0, s == S - 1
+        rng = layout.stages.layers[s]
+        keys.update(dict.fromkeys(model.stage_keys(rng, first, last) if pp > 1 else model.param_shapes()))
+        layers += list(rng) + (list(range(L, n_blocks)) if last else [])
+        stages[s] = stage_activations(model, rng, first, last, c, layout.sizes["tp"], cfg.ac, received=s > 0, sent=s < S - 1)
+        none_stages[s] = stage_activations(model, rng, first, last, c, layout.sizes["tp"], "none", received=s > 0, sent=s < S - 1)
+    if pp == 1:
+        held = {0: 1}
+    else:
+        weights = {s: stages[s].kept(layout.tokens) for s in local}
+        held = peak_by_stage(rank_actions(layout.schedule, pp, layout.microbatches, layout.stages.per_rank, r), weights)
+    mem = rank_memory(shards, keys, blocks, precision=cfg.precision, optim=cfg.optim.name, pipelined=pp > 1, ac=cfg.ac,
+                      grad_accum=layout.passes, tokens=layout.tokens, stages=stages, held=held, none_stages=none_stages)
+    n_mb = layout.steps_microbatches
+    mesh = {a: layout.sizes[a] for a in ("pp", *MESH_AXES)}
+    rows = layer_rows(model, layers, tokens=layout.tokens, micro_batches=n_mb, precision=cfg.precision, ac=cfg.ac, sizes=mesh,
+                      first=0 in local, last=S - 1 in local)
+    own = [shards[k] for k in keys]
+    tied = {"model.embed_tokens.weight": 2} if getattr(model.config, "tie_word_embeddings", False) else {}
+    fsdp = fsdp_rows(own, pipelined=pp > 1, precision=cfg.precision, micro_batches=n_mb, ac=cfg.ac, blocks=blocks, sizes=mesh, uses=tied)
+    shared = [k for k in model.shared_keys() if k in keys] if pp > 1 and layout.stages.rank_of(0) != layout.stages.rank_of(S - 1) else []
+    storage = 2 if cfg.precision == "bf16" else 4
+    once = pp_rows(local, S, tokens=layout.tokens, micro_batches=n_mb, hidden=model.config.hidden_size, precision=cfg.precision,
+                   shared_bytes=sum(shards[k].local * storage for k in shared))
+    per_mb = [row for row in once if row.per == "micro-batch"]
+    once = [row for row in once if row.per == "step"]
+    if pp > 1:
+        once += fsdp
+    else:
+        rows += fsdp
+    layer_f, rest_f = sum(flops[s][0] for s in local), sum(flops[s][1] for s in local)
+    factor = (layer_f * 4 / 3 + rest_f) / (layer_f + rest_f) if cfg.ac == "full" and layer_f + rest_f > 0 else 1.0
+    routed = sum(_routed_flops(model.skeleton.model.layers[i]) for i in layers)
+    per_device = (layer_f + rest_f - routed) / layout.sizes["tp"] + routed  # tp splits all but the routed experts
+    return _Rank(list(keys), layers, mem, per_device, factor, rows + per_mb, once)
+
+
+def _routed_flops(layer) -> float:
+    """Training FLOPs per token of a layer's routed experts (6 per activated param: K of E
+    experts), which tensor parallelism does not split (every tp rank computes them whole)."""
+    mlp = layer.mlp
+    if not hasattr(mlp, "experts"):
+        return 0.0
+    e = mlp.experts
+    return 6.0 * (e.gate_up_proj.numel() + e.down_proj.numel()) * mlp.gate.top_k / e.num_experts
+
+
+def make_plan(model, *, family: str, size: str, hardware: str, devices: int, parallel: ParallelConfig, train_cfg,
+              compute_efficiency: float = 0.5, overlap: str = "none") -> dict:
+    """The plan of training ``model`` (an :class:`mff.model.Model`, a meta skeleton is enough)
+    on ``devices`` devices of ``hardware`` with ``parallel`` and ``train_cfg``'s options (a
+    :class:`mff.train.config.TrainConfig`: seq_len, batch_size, grad_accum, precision, ac,
+    optim), as a JSON-ready dict; sizes in GiB (memory), GB (communication, 1e9 bytes),
+    seconds, FLOP/s, tokens/s.
+
+    Raises:
+        ValueError: an unknown hardware name (listing the known ones), a layout or option the
+            training recipes refuse (:mod:`mff.plan.layout`), sizes that do not divide.
+        PlanDoesNotFit: the most loaded device needs more than the device's memory (the message
+            gives the need, the excess, the device and the largest parts).
+    """
+    device = get_device(hardware)
+    layout = resolve_layout(model, parallel, devices, train_cfg)
+    c = 4 if train_cfg.precision == "fp32" else 2
+    mesh = {a: layout.sizes[a] for a in MESH_AXES}
+    shards = param_shards(model, mesh, adamw_patterns=train_cfg.optim.muon_adamw_params)
+    blocks = {k: int(m.group(1)) for k in shards if (m := _BLOCK.match(k))}
+    flops = stage_flops_per_token(model, layout.stages.layers, layout.seq_len)
+    pp = layout.sizes["pp"]
+    ranks = [_rank(model, layout, r, shards, blocks, flops, train_cfg, c) for r in range(pp)]
+    worst = max(range(pp), key=lambda r: ranks[r].memory.total)
+    mem = ranks[worst].memory
+    capacity = device.hbm_gib * GIB
+    if mem.total > capacity:
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.rows.items() if v >= 0.05 * GIB)
+        where = f" (pp rank {worst}: {parts} GiB)" if pp > 1 else f" ({parts} GiB)"
+        raise PlanDoesNotFit(f"needs {mem.total / GIB:.1f} GiB per device{where}, {(mem.total - capacity) / GIB:.1f} GiB more than "
+                             f"the {device.hbm_gib:g} GiB of an {device.name}; try --ac full, more --parallel.pp, --parallel.ep or "
+                             "--parallel.dp-shard, or smaller micro-batches")
+    m, v = layout.microbatches, layout.stages.per_rank
+    bubble = bubble_fraction(layout.schedule, pp, m, v) if pp > 1 else 0.0
+    sizes = {a: layout.sizes[a] for a in ("pp", *MESH_AXES)}
+    opt_s = max(optimizer_seconds([shards[k] for k in rk.keys], device, precision=train_cfg.precision, optim=train_cfg.optim.name,
+                                  ns_steps=train_cfg.optim.muon_ns_steps, efficiency=compute_efficiency) for rk in ranks)
+    est = estimate_step(rank_flops=[rk.flops for rk in ranks], rank_rows=[rk.rows for rk in ranks], once_rows=[rk.once for rk in ranks],
+                        optimizer_s=opt_s, device=device, sizes=sizes, tokens=layout.tokens, micro_batches=m,
+                        passes=layout.passes, bubble=bubble, ac_factor=[rk.ac_factor for rk in ranks], overlap=overlap,
+                        efficiency=compute_efficiency, model_flops=model.train_flops_per_token(layout.seq_len),
+                        step_tokens=train_cfg.batch_size * layout.seq_len, devices=devices)
+    counts = model.param_counts()
+    comm = [{"axes": " x ".join(row.axes), "op": row.op, "per": row.per, "gb": row.bytes / 1e9,
+             "seconds": comm_seconds(row, sizes, device.intra_bw, device.inter_bw, device.per_node)}
+            for row in ranks[worst].rows + ranks[worst].once]
+    return {
+        "model": {"family": family, "size": size, "params": counts["total"], "activated_params": counts["activated"],
+                  "train_flops_per_token": model.train_flops_per_token(layout.seq_len)},
+        "hardware": {"key": device.key, "name": device.name, "peak_flops": device.peak_flops, "hbm_gib": device.hbm_gib,
+                     "hbm_bytes_per_s": device.hbm_bw, "intra_node_bytes_per_s": device.intra_bw,
+                     "inter_node_bytes_per_s": device.inter_bw, "devices_per_node": device.per_node, "links": device.links,
+                     "source": device.source},
+        "layout": {"devices": devices, "mesh": sizes, "data_parallel": layout.dp, "schedule": layout.schedule if pp > 1 else None,
+                   "stages": [[r.start, r.stop] for r in layout.stages.layers], "stages_per_rank": v,
+                   "microbatches_per_pass": m, "passes": layout.passes, "microbatch_sequences": layout.rows, "seq_len": layout.seq_len,
+                   "precision": train_cfg.precision, "ac": train_cfg.ac, "optimizer": train_cfg.optim.name},
+        "memory_gib": {"pp_rank": worst, "moment": mem.moment, **{k.replace(" ", "_"): v / GIB for k, v in mem.rows.items()},
+                       "total": mem.total / GIB, "capacity": device.hbm_gib, "in_flight_microbatches": mem.in_flight,
+                       "activations_per_microbatch_no_ac": mem.activations_per_mb["none"] / GIB,
+                       "activations_per_microbatch": mem.activations_per_mb["kept"] / GIB,
+                       "per_pp_rank_total": [rk.memory.total / GIB for rk in ranks]},
+        "communication": {"pp_rank": worst, "rows": comm},
+        "pipeline": {"bubble_fraction": bubble,
+                     "definition": "idle share of the step time: (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1)"},
+        "estimate": {"step_s": est.step_s, "compute_s": est.compute_s, "comm_s": est.comm_s, "exposed_comm_s": est.exposed_comm_s,
+                     "bubble_s": est.bubble_s, "optimizer_s": est.optimizer_s, "tokens_per_s_per_device": est.tokens_per_s_per_device,
+                     "mfu": est.mfu, "compute_efficiency": compute_efficiency, "overlap": overlap, "slowest_pp_rank": est.slowest_rank},
+    }

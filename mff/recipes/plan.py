@@ -1,0 +1,103 @@
+"""Plan a training run on paper: what a layout needs per device for a model size, without
+running it.
+
+    python -m mff.recipes.plan --model deepseek3 --size v3-671b --devices 2048 --hardware h800 \\
+        --parallel.pp 16 --parallel.ep 64 --seq-len 4096 --batch-size 15360 --ac full
+
+Prints the memory per device (params, gradients, optimizer state, the working copies of the
+params, activations of one micro-batch with and without activation checkpointing and of the
+micro-batches the pipeline schedule keeps in flight), the communication per step by mesh axis,
+the pipeline bubble, and an estimated step time, tokens/s per device and MFU from the device
+table (:mod:`mff.plan`); ``--json FILE`` writes the same as one JSON object. Options take the
+training recipes' names (``--seq-len``, ``--batch-size``, ``--grad-accum``, ``--precision``,
+``--ac``, ``--optim.*``, ``--parallel.*``, ``--model.<hf-field>``), and a layout the recipes would
+refuse is refused with their message. A layout whose most loaded device needs more memory than
+the device has is refused, saying by how much (exit code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+from mff.optim import OptimConfig
+from mff.parallel import ParallelConfig
+from mff.plan import format_plan, make_plan
+from mff.recipes.common import parse_model_args, run_recipe_main
+
+__all__ = ["PlanConfig", "main"]
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True)
+class PlanConfig(Generic[C]):
+    """A training run to plan. ``--model FAMILY`` and ``--size NAME`` choose ``model``'s defaults."""
+
+    model: C
+    """Model config (HF field names), e.g. --model.num-hidden-layers 4. The family is chosen by --model FAMILY."""
+    size: str = "tiny"
+    """Named size of the --model family whose config --model.* starts from (listed above)."""
+    devices: int = 8
+    """Devices of the run (WORLD_SIZE): --parallel.pp x dp-replicate x dp-shard x ep x tp."""
+    hardware: str = "h100"
+    """Device kind: h100, h800, h200, b200, 910b (Atlas 800T A2), 910c (Atlas 900 A3 SuperPoD, per die)."""
+    seq_len: int = 4096
+    """Tokens per sequence."""
+    batch_size: int = 1024
+    """Global batch in sequences per optimizer step (split over data-parallel ranks, --grad-accum and pipeline micro-batches)."""
+    grad_accum: int = 1
+    """Micro-batches (pipeline passes under --parallel.pp) per optimizer step on each data-parallel rank."""
+    precision: Literal["fp32", "bf16-mixed", "bf16"] = "bf16-mixed"
+    """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state)."""
+    ac: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing per block: none, full (keep each block's input) or selective (keep matmul and attention outputs)."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer: --optim.name adamw (two fp32 moments) or muon (one for hidden matrices); the other fields do not change the plan."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Parallel sizes and the pipeline schedule."""
+    compute_efficiency: float = 0.5
+    """Fraction of the device's peak FLOP/s the compute is assumed to reach (an assumption, not a measurement)."""
+    overlap: Literal["none", "fsdp", "all"] = "none"
+    """Communication hidden behind compute: none (mff's runtime: every collective waits), fsdp (FSDP/HSDP hidden, as torchtitan prefetches), all (every collective hidden)."""
+    json: str | None = None
+    """Also write the plan as one JSON object to this file ('-' = standard output, instead of the text)."""
+
+
+def _train_config(cfg: PlanConfig):
+    from mff.train.config import TrainConfig
+
+    return TrainConfig(model=cfg.model, seq_len=cfg.seq_len, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum,
+                       precision=cfg.precision, ac=cfg.ac, optim=cfg.optim, parallel=cfg.parallel)
+
+
+def run(cfg: PlanConfig, family: str, size: str) -> int:
+    from mff.models import build
+
+    model = build(family, cfg.model)  # a meta skeleton: no storage
+    plan = make_plan(model, family=family, size=size, hardware=cfg.hardware, devices=cfg.devices, parallel=cfg.parallel,
+                     train_cfg=_train_config(cfg), compute_efficiency=cfg.compute_efficiency, overlap=cfg.overlap)
+    if cfg.json == "-":
+        print(json.dumps(plan, indent=1))
+        return 0
+    print(format_plan(plan))
+    if cfg.json is not None:
+        with open(cfg.json, "w") as f:
+            json.dump(plan, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body() -> int:
+        family, size, cfg = parse_model_args(PlanConfig, argv, prog="python -m mff.recipes.plan", description=__doc__)
+        return run(cfg, family, size)
+
+    return run_recipe_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
