@@ -43,8 +43,9 @@ STEPS = 3
 GLOBAL_BATCH, SEQ, VOCAB = 4, 16, 255  # an odd vocabulary: tp splits it unevenly (padded to a multiple of tp)
 
 
-def tiny(family: str):
-    """A tiny config of ``family`` whose heads, KV heads, experts and hidden all divide 4 (the vocab does not)."""
+def tiny(family: str, **extra):
+    """A tiny config of ``family`` whose heads, KV heads, experts and hidden all divide 4 (the vocab
+    does not); ``extra``: more field overrides (those the family's config has)."""
     cfg = get_family(family).sizes["tiny"]
     over = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     if family in ("deepseek3", "telechat3"):
@@ -54,13 +55,14 @@ def tiny(family: str):
         over.update(intermediate_size=128, num_key_value_heads=2, head_dim=16)
         if family in ("qwen3_moe", "glm4_moe"):
             over.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    over.update(extra)
     names = {f.name for f in dataclasses.fields(cfg)}
     return mff.build(family, dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names}))
 
 
-def global_batch(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+def global_batch(step: int, rows: int = GLOBAL_BATCH, seed: int = 1000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + step)
+    ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=g)
     return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
 
 

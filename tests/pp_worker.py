@@ -25,43 +25,28 @@ from torch.distributed.tensor import Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mff  # noqa: E402
 import mff.nn.moe as moe  # noqa: E402
 from mff.backend import init_distributed  # noqa: E402
-from mff.models import get_family  # noqa: E402
 from mff.optim import OptimConfig, init_state  # noqa: E402
 from mff.parallel import ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size  # noqa: E402
 from mff.train.pipeline import Pipeline  # noqa: E402
 from mff.train.step import train_step  # noqa: E402
+from tests import layout_worker  # noqa: E402
+from tests.layout_worker import full  # noqa: E402
 
 STEPS = 3
-GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 255
+GLOBAL_BATCH = 8
 
 
 def tiny(family: str):
-    """A tiny 4-layer config of ``family`` (deepseek3: a dense first layer, 3 MoE layers, one
-    MoE MTP depth and a balance loss; qwen3: tied embeddings; qwen3_moe: a Switch balance loss)."""
-    cfg = get_family(family).sizes["tiny"]
-    over = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128)
-    if family in ("deepseek3", "telechat3"):
-        over.update(moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16, first_k_dense_replace=1, n_routed_experts=4,
-                    num_experts_per_tok=2, n_group=1, topk_group=1, num_nextn_predict_layers=1, aux_loss_alpha=1e-3)
-    else:
-        over.update(num_key_value_heads=2, head_dim=16)
-        if family in ("qwen3_moe", "glm4_moe"):
-            over.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=1e-2)
-    names = {f.name for f in dataclasses.fields(cfg)}
-    return mff.build(family, dataclasses.replace(cfg, **{k: v for k, v in over.items() if k in names}))
+    """tests/layout_worker.py's tiny config with 4 layers (deepseek3: a dense first layer, 3 MoE
+    layers, one MoE MTP depth; qwen3: tied embeddings) and the balance losses on (deepseek3's
+    per-sequence terms, qwen3_moe's Switch statistics)."""
+    return layout_worker.tiny(family, num_hidden_layers=4, aux_loss_alpha=1e-3, router_aux_loss_coef=1e-2)
 
 
 def global_batch(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(2000 + step)
-    ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+    return layout_worker.global_batch(step, GLOBAL_BATCH, seed=2000)
 
 
 def run(family: str, mesh, parallel: ParallelConfig, micro_rows: int) -> dict:
@@ -71,7 +56,7 @@ def run(family: str, mesh, parallel: ParallelConfig, micro_rows: int) -> dict:
     pipe = None
     if parallel.pp > 1:
         parallel = dataclasses.replace(parallel, pp_microbatches=rows // micro_rows)
-        pipe = Pipeline(model, parallel, mesh, SEQ, rows, torch.device("cpu"))
+        pipe = Pipeline(model, parallel, mesh, layout_worker.SEQ, rows, torch.device("cpu"))
         params = model.init(seed=7, mesh=mesh, keys=pipe.keys)
     else:
         params = model.init(seed=7, mesh=mesh)
