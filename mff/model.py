@@ -352,7 +352,11 @@ class Model:
         norm, the head and the MTP depths (``model.layers.{i}.*`` for i >= num_hidden_layers),
         plus the token embedding when the last stage needs it too (a head tied to it, or MTP,
         which embeds the shifted tokens): see :meth:`shared_keys`."""
+        cache = self.__dict__.setdefault("_stage_keys", {})
+        if (layers, first, last) in cache:
+            return list(cache[layers, first, last])
         L = self.config.num_hidden_layers
+        shared = set(self.shared_keys())
         out = []
         for path in self._shapes:
             parts = path.split(".")
@@ -360,11 +364,12 @@ class Model:
                 i = int(parts[2])
                 keep = i in layers if i < L else last
             elif parts[:2] == ["model", "embed_tokens"]:
-                keep = first or (last and path in self.shared_keys())
+                keep = first or (last and path in shared)
             else:
                 keep = last
             if keep:
                 out.append(path)
+        cache[layers, first, last] = tuple(out)
         return out
 
     def mtp_layers(self) -> list[int]:

@@ -23,7 +23,10 @@ def global_grad_norm(grads: Mapping[str, torch.Tensor], group: dist.ProcessGroup
         full = n.full_tensor() if isinstance(n, DTensor) else n
         total = total + full.float().cpu() ** 2
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
+        first = tensors[0].to_local() if tensors and isinstance(tensors[0], DTensor) else (tensors[0] if tensors else total)
+        summed = total.to(first.device)  # on the grads' device: a NCCL/HCCL group takes no CPU tensor
+        dist.all_reduce(summed, group=group)
+        total = summed.cpu()
     return float(total.sqrt())
 
 
