@@ -110,11 +110,12 @@ def main() -> None:
     ap.add_argument("--stages-per-rank", type=int, default=None)
     ap.add_argument("--dp-shard", type=int, default=-1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
     a = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
     info = init_distributed("cpu", 120.0)
-    parallel = ParallelConfig(pp=a.pp, pp_schedule=a.schedule, pp_stages_per_rank=a.stages_per_rank, dp_shard=a.dp_shard, ep=a.ep)
+    parallel = ParallelConfig(pp=a.pp, pp_schedule=a.schedule, pp_stages_per_rank=a.stages_per_rank, dp_shard=a.dp_shard, ep=a.ep, tp=a.tp)
     mesh = build_mesh("cpu", parallel, info.world_size)
     result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "ep_dispatches": 0}
     dispatched = moe._dispatched_experts

@@ -2,8 +2,8 @@
 
 1. Three fp32 steps of tiny 4-layer deepseek3 (MoE, MTP, balance loss) and qwen3 (tied
    embeddings) equal the one-process run (losses, grad norms, every final param within 1e-5)
-   under pp=2 GPipe and 1F1B, pp=2 Interleaved 1F1B with 2 stages per rank, pp=2 x dp-shard=2
-   and pp=2 x ep=2 (tests/pp_worker.py); qwen3_moe (a Switch balance loss over every layer)
+   under pp=2 GPipe and 1F1B, pp=2 Interleaved 1F1B with 2 stages per rank, pp=2 x dp-shard=2,
+   pp=2 x ep=2 and pp=2 x tp=2 (tests/pp_worker.py); qwen3_moe (a Switch balance loss over every layer)
    under 1F1B and Interleaved. Under pp x dp-shard the FSDP gradients are reduce-scattered once
    per step, not once per micro-batch.
 2. The expert loads of every step (both stages and the MTP depth) and the expert bias after the
@@ -38,6 +38,7 @@ LAYOUTS = [
                  id="pp2-interleaved-2-per-rank"),
     pytest.param(4, ["--dp-shard", "2"], ("deepseek3", "qwen3"), id="pp2xdp_shard2"),
     pytest.param(4, ["--ep", "2"], ("deepseek3", "qwen3"), id="pp2xep2"),
+    pytest.param(4, ["--tp", "2"], ("deepseek3", "qwen3"), id="pp2xtp2"),
 ]
 
 
@@ -62,7 +63,8 @@ def reference(tmp_path_factory):
 def test_pipeline_layout_matches_one_process(reference, tmp_path, nproc, flags, families):
     ranks = _launch(tmp_path / "got", families, nproc, ["--pp", "2", "--micro-rows", "2", *flags])
     opts = dict(zip(flags[::2], flags[1::2]))
-    assert ranks[0]["mesh"]["dp_shard"] == int(opts.get("--dp-shard", 1)) and ranks[0]["mesh"]["ep"] == int(opts.get("--ep", 1))
+    for axis in ("dp_shard", "ep", "tp"):
+        assert ranks[0]["mesh"][axis] == int(opts.get(f"--{axis.replace('_', '-')}", 1)), ranks[0]["mesh"]
     assert (sum(r["ep_dispatches"] for r in ranks) > 0) == ("--ep" in opts)  # real expert parallelism: tokens sent by all-to-all
     for family in families:
         ref, got = reference[family], [r[family] for r in ranks]
