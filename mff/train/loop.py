@@ -215,10 +215,11 @@ def print_run_header(name: str, model: Model, dist_info, mesh, params: Mapping[s
     if pipeline_size(mesh) > 1:
         axes = {"pp": pipeline_size(mesh), **axes}
     print0(f"device {dist_info.device} x {dist_info.world_size} ({dist_info.backend}), mesh {axes}")
+    scope = " of pp rank 0's stages" if pipeline_size(mesh) > 1 else ""  # each pp rank holds its stages' params only
     if len(set(placements.values())) == 1:
-        print0(f"placements: {next(iter(placements.values()))} (all {len(placements)} params)")
+        print0(f"placements: {next(iter(placements.values()))} (all {len(placements)} params{scope})")
     else:
-        print0("placements:\n  " + "\n  ".join(placement_table(params)))
+        print0(f"placements{scope}:\n  " + "\n  ".join(placement_table(params)))
     print0("memory per device (estimate): " + ", ".join(f"{k} {v:.3f} GiB" for k, v in mem.items()))
     print0(f"{data_line}; peak {peak / 1e9:.1f} GFLOP/s ({peak_src}); {flops_per_token / 1e6:.1f} MFLOP/token")
 
