@@ -7,7 +7,9 @@ One job per module: :mod:`~mff.plan.devices` (the accelerator table), :mod:`~mff
 device), :mod:`~mff.plan.activations` (activation bytes per layer), :mod:`~mff.plan.schedule`
 (pipeline orders, micro-batches in flight, bubble), :mod:`~mff.plan.memory` (the peak per
 device), :mod:`~mff.plan.comm` (bytes per axis and their time), :mod:`~mff.plan.estimate`
-(step time, tokens/s, MFU), :mod:`~mff.plan.build` (the whole plan) and
+(step time, tokens/s, MFU), :mod:`~mff.plan.advice` (what to change when a layout does not
+fit, and the bound below which no layout of a device count fits), :mod:`~mff.plan.build` (the
+whole plan) and
 :mod:`~mff.plan.report` (its text).
 """
 

@@ -1,8 +1,13 @@
 """A whole plan: the layout, per pp rank its memory, communication and FLOPs, the bubble and the
 step estimate, as one JSON-ready dict (what ``python -m mff.recipes.plan`` prints and writes).
 
-The memory figure is the most loaded pp rank's (the plan names it): every rank's is computed.
-Communication is listed for that same rank; the step estimate takes the slowest rank.
+Every pp rank's memory, FLOPs and communication are computed. The memory section is the most
+loaded rank's (``memory_gib.pp_rank``); the compute and communication sections are the slowest
+rank's (``communication.pp_rank``, ``compute.pp_rank``): the one whose time per micro-batch the
+step estimate runs the pipeline at (``estimate.slowest_pp_rank``); ``per_pp_rank`` lists every
+rank's totals. A layout that does not fit raises :class:`PlanDoesNotFit` with the need, the
+excess and what to change (:mod:`mff.plan.advice`), or, with ``refuse=False``, is planned anyway
+and says so (``memory_gib.fits``, ``memory_gib.does_not_fit``).
 """
 
 from __future__ import annotations
@@ -12,27 +17,30 @@ from dataclasses import dataclass
 
 from mff.parallel.mesh import MESH_AXES, ParallelConfig
 from mff.plan.activations import stage_activations
+from mff.plan.advice import describe, min_devices, state_bytes, suggestions
 from mff.plan.comm import CommRow, comm_seconds, fsdp_rows, layer_rows, pp_rows
 from mff.plan.devices import get_device
 from mff.plan.estimate import estimate_step, optimizer_seconds, stage_flops_per_token
 from mff.plan.layout import resolve_layout
-from mff.plan.memory import GIB, RankMemory, rank_memory
+from mff.plan.memory import GIB, ROWS, RankMemory, rank_memory
 from mff.plan.schedule import bubble_fraction, peak_by_stage, rank_actions
 from mff.plan.shards import param_shards
 
-__all__ = ["PlanDoesNotFit", "make_plan"]
+__all__ = ["PlanDoesNotFit", "make_plan", "stage_text"]
 
 _BLOCK = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class PlanDoesNotFit(ValueError):
-    """The layout needs more memory per device than the device has (the message says how much)."""
+    """The layout needs more memory per device than the device has (the message says how much,
+    and what would fit or that no layout of the device count can)."""
 
 
 @dataclass(frozen=True)
 class _Rank:
     keys: list[str]
     layers: list[int]
+    stages: list[int]
     memory: RankMemory
     flops: float
     ac_factor: float
@@ -40,9 +48,9 @@ class _Rank:
     once: list[CommRow]
 
 
-def _rank(model, layout, r: int, shards, blocks, flops, cfg, c: int) -> _Rank:
+def _memory(model, layout, r: int, shards, blocks, cfg, c: int) -> tuple[list[str], list[int], list[int], RankMemory]:
     S, pp, L = layout.stages.num_stages, layout.sizes["pp"], model.config.num_hidden_layers
-    local = layout.stages.stages_of(r)
+    local = list(layout.stages.stages_of(r))
     n_blocks = len(model.skeleton.model.layers)
     keys: dict[str, None] = {}
     layers, stages, none_stages = [], {}, {}
@@ -60,6 +68,12 @@ def _rank(model, layout, r: int, shards, blocks, flops, cfg, c: int) -> _Rank:
         held = peak_by_stage(rank_actions(layout.schedule, pp, layout.microbatches, layout.stages.per_rank, r), weights)
     mem = rank_memory(shards, keys, blocks, precision=cfg.precision, optim=cfg.optim.name, pipelined=pp > 1, ac=cfg.ac,
                       grad_accum=layout.passes, tokens=layout.tokens, stages=stages, held=held, none_stages=none_stages)
+    return list(keys), layers, local, mem
+
+
+def _rank(model, layout, r: int, shards, blocks, flops, cfg, c: int) -> _Rank:
+    S, pp = layout.stages.num_stages, layout.sizes["pp"]
+    keys, layers, local, mem = _memory(model, layout, r, shards, blocks, cfg, c)
     n_mb = layout.steps_microbatches
     mesh = {a: layout.sizes[a] for a in ("pp", *MESH_AXES)}
     rows = layer_rows(model, layers, tokens=layout.tokens, micro_batches=n_mb, precision=cfg.precision, ac=cfg.ac, sizes=mesh,
@@ -81,7 +95,62 @@ def _rank(model, layout, r: int, shards, blocks, flops, cfg, c: int) -> _Rank:
     factor = (layer_f * 4 / 3 + rest_f) / (layer_f + rest_f) if cfg.ac == "full" and layer_f + rest_f > 0 else 1.0
     routed = sum(_routed_flops(model.skeleton.model.layers[i]) for i in layers)
     per_device = (layer_f + rest_f - routed) / layout.sizes["tp"] + routed  # tp splits all but the routed experts
-    return _Rank(list(keys), layers, mem, per_device, factor, rows + per_mb, once)
+    return _Rank(keys, layers, local, mem, per_device, factor, rows + per_mb, once)
+
+
+def stage_text(model, layout, s: int) -> str:
+    """What pipeline stage ``s`` holds, in words: ``layers 0-3 + embedding``, ``layer 60 + head,
+    MTP depth``."""
+    r = layout.stages.layers[s]
+    out = "no decoder layer" if len(r) == 0 else f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
+    extra = ["embedding"] if s == 0 else []
+    if s == layout.stages.num_stages - 1:
+        depths = len(model.skeleton.model.layers) - model.config.num_hidden_layers
+        extra += ["head"] + ([f"{depths} MTP depth{'s' if depths > 1 else ''}"] if depths else [])
+    return out + (f" + {', '.join(extra)}" if extra else "")
+
+
+class _Shards:
+    """param_shards per mesh, computed once for the plan and the layouts its advice tries."""
+
+    def __init__(self, model):
+        self.model, self.cache = model, {}
+
+    def __call__(self, layout, train_cfg):
+        mesh = {a: layout.sizes[a] for a in MESH_AXES}
+        key = (tuple(mesh.values()), tuple(train_cfg.optim.muon_adamw_params))
+        if key not in self.cache:
+            self.cache[key] = param_shards(self.model, mesh, adamw_patterns=train_cfg.optim.muon_adamw_params)
+        return self.cache[key]
+
+
+def _blocks(shards) -> dict[str, int]:
+    return {k: int(m.group(1)) for k in shards if (m := _BLOCK.match(k))}
+
+
+def _does_not_fit(model, device, devices: int, parallel, train_cfg, layout, mem: RankMemory, worst: int, shards, get_shards) -> str:
+    capacity = device.hbm_gib * GIB
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.rows.items() if v >= 0.05 * GIB)
+    where = f"pp rank {worst}: " if layout.sizes["pp"] > 1 else ""
+    head = (f"needs {mem.total / GIB:.1f} GiB per device at {mem.moment} ({where}{parts} GiB), {(mem.total - capacity) / GIB:.1f} GiB "
+            f"more than the {device.hbm_gib:g} GiB of an {device.name}")
+    state = state_bytes(list(shards.values()), train_cfg.precision, train_cfg.optim.name)
+    if state / devices > capacity:
+        return (f"{head}; no layout of {devices:,} devices fits: the params, grads and optimizer state alone need "
+                f"{state / devices / GIB:.1f} GiB per device even sharded over all of them; at least {min_devices(state, capacity):,} "
+                f"devices (a lower bound: activations and working copies come on top)")
+
+    def evaluate(n: int, p: ParallelConfig, t) -> tuple[float, dict[str, int]]:
+        lay = resolve_layout(model, p, n, t)
+        sh = get_shards(lay, t)
+        c = 4 if t.precision == "fp32" else 2
+        bl = _blocks(sh)
+        need = max(_memory(model, lay, r, sh, bl, t, c)[3].total for r in range(lay.sizes["pp"]))
+        return need, lay.sizes
+
+    found = suggestions(model, devices=devices, sizes=layout.sizes, parallel=parallel, train_cfg=train_cfg, rows=layout.rows,
+                        microbatches=layout.microbatches, need=mem.total, capacity=capacity, evaluate=evaluate)
+    return f"{head}; {describe(found, GIB)}"
 
 
 def _routed_flops(layer) -> float:
@@ -95,37 +164,43 @@ def _routed_flops(layer) -> float:
 
 
 def make_plan(model, *, family: str, size: str, hardware: str, devices: int, parallel: ParallelConfig, train_cfg,
-              compute_efficiency: float = 0.5, overlap: str = "none") -> dict:
+              compute_efficiency: float = 0.5, overlap: str = "none", refuse: bool = True) -> dict:
     """The plan of training ``model`` (an :class:`mff.model.Model`, a meta skeleton is enough)
     on ``devices`` devices of ``hardware`` with ``parallel`` and ``train_cfg``'s options (a
     :class:`mff.train.config.TrainConfig`: seq_len, batch_size, grad_accum, precision, ac,
     optim), as a JSON-ready dict; sizes in GiB (memory), GB (communication, 1e9 bytes),
     seconds, FLOP/s, tokens/s.
 
+    ``refuse=False`` plans a layout that does not fit anyway: ``memory_gib.fits`` is false and
+    ``memory_gib.does_not_fit`` holds the message :class:`PlanDoesNotFit` would carry.
+
     Raises:
         ValueError: an unknown hardware name (listing the known ones), a layout or option the
             training recipes refuse (:mod:`mff.plan.layout`), sizes that do not divide.
-        PlanDoesNotFit: the most loaded device needs more than the device's memory (the message
-            gives the need, the excess, the device and the largest parts).
+        PlanDoesNotFit: (``refuse``) the most loaded device needs more than the device's memory;
+            the message gives the need, the moment of the step, the excess, the device, the
+            largest parts, and either the single changes that would lower the need (each with
+            its flags and need) or, when the params, grads and optimizer state alone exceed the
+            memory even sharded over every device, that no layout of ``devices`` fits and at
+            least how many devices the run needs (:mod:`mff.plan.advice`).
     """
     device = get_device(hardware)
     layout = resolve_layout(model, parallel, devices, train_cfg)
     c = 4 if train_cfg.precision == "fp32" else 2
-    mesh = {a: layout.sizes[a] for a in MESH_AXES}
-    shards = param_shards(model, mesh, adamw_patterns=train_cfg.optim.muon_adamw_params)
-    blocks = {k: int(m.group(1)) for k in shards if (m := _BLOCK.match(k))}
+    get_shards = _Shards(model)
+    shards = get_shards(layout, train_cfg)
+    blocks = _blocks(shards)
     flops = stage_flops_per_token(model, layout.stages.layers, layout.seq_len)
     pp = layout.sizes["pp"]
     ranks = [_rank(model, layout, r, shards, blocks, flops, train_cfg, c) for r in range(pp)]
     worst = max(range(pp), key=lambda r: ranks[r].memory.total)
     mem = ranks[worst].memory
     capacity = device.hbm_gib * GIB
+    message = None
     if mem.total > capacity:
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in mem.rows.items() if v >= 0.05 * GIB)
-        where = f" (pp rank {worst}: {parts} GiB)" if pp > 1 else f" ({parts} GiB)"
-        raise PlanDoesNotFit(f"needs {mem.total / GIB:.1f} GiB per device{where}, {(mem.total - capacity) / GIB:.1f} GiB more than "
-                             f"the {device.hbm_gib:g} GiB of an {device.name}; try --ac full, more --parallel.pp, --parallel.ep or "
-                             "--parallel.dp-shard, or smaller micro-batches")
+        message = _does_not_fit(model, device, devices, parallel, train_cfg, layout, mem, worst, shards, get_shards)
+        if refuse:
+            raise PlanDoesNotFit(message)
     m, v = layout.microbatches, layout.stages.per_rank
     bubble = bubble_fraction(layout.schedule, pp, m, v) if pp > 1 else 0.0
     sizes = {a: layout.sizes[a] for a in ("pp", *MESH_AXES)}
@@ -136,10 +211,19 @@ def make_plan(model, *, family: str, size: str, hardware: str, devices: int, par
                         passes=layout.passes, bubble=bubble, ac_factor=[rk.ac_factor for rk in ranks], overlap=overlap,
                         efficiency=compute_efficiency, model_flops=model.train_flops_per_token(layout.seq_len),
                         step_tokens=train_cfg.batch_size * layout.seq_len, devices=devices)
+    slow = est.slowest_rank
+
+    def comm(rows: list[CommRow]) -> list[dict]:
+        return [{"axes": " x ".join(row.axes), "op": row.op, "per": row.per, "gb": row.bytes / 1e9,
+                 "seconds": comm_seconds(row, sizes, device.intra_bw, device.inter_bw, device.per_node)} for row in rows]
+
+    slow_rows = comm(ranks[slow].rows + ranks[slow].once)
     counts = model.param_counts()
-    comm = [{"axes": " x ".join(row.axes), "op": row.op, "per": row.per, "gb": row.bytes / 1e9,
-             "seconds": comm_seconds(row, sizes, device.intra_bw, device.inter_bw, device.per_node)}
-            for row in ranks[worst].rows + ranks[worst].once]
+    per_rank = [{"pp_rank": r, "stages": rk.stages, "holds": ", ".join(stage_text(model, layout, s) for s in rk.stages),
+                 "memory_gib": rk.memory.total / GIB, "flops_per_token_per_device": rk.flops, "recompute_factor": rk.ac_factor,
+                 "compute_s": est.per_rank[r]["compute"], "comm_s": est.per_rank[r]["comm"], "once_comm_s": est.per_rank[r]["once"],
+                 "comm_gb": sum(row.bytes for row in rk.rows + rk.once) / 1e9}
+                for r, rk in enumerate(ranks)]
     return {
         "model": {"family": family, "size": size, "params": counts["total"], "activated_params": counts["activated"],
                   "train_flops_per_token": model.train_flops_per_token(layout.seq_len)},
@@ -151,15 +235,27 @@ def make_plan(model, *, family: str, size: str, hardware: str, devices: int, par
                    "stages": [[r.start, r.stop] for r in layout.stages.layers], "stages_per_rank": v,
                    "microbatches_per_pass": m, "passes": layout.passes, "microbatch_sequences": layout.rows, "seq_len": layout.seq_len,
                    "precision": train_cfg.precision, "ac": train_cfg.ac, "optimizer": train_cfg.optim.name},
-        "memory_gib": {"pp_rank": worst, "moment": mem.moment, **{k.replace(" ", "_"): v / GIB for k, v in mem.rows.items()},
-                       "total": mem.total / GIB, "capacity": device.hbm_gib, "in_flight_microbatches": mem.in_flight,
+        "memory_gib": {"pp_rank": worst, "which": "the most loaded pp rank" if pp > 1 else "every device",
+                       "moment": mem.moment, "why": mem.why, "notes": {k.replace(" ", "_"): n for k, n in mem.notes.items()},
+                       **{k.replace(" ", "_"): mem.rows[k] / GIB for k in ROWS},
+                       "total": mem.total / GIB, "capacity": device.hbm_gib, "fits": message is None, "does_not_fit": message,
+                       "other_moment": mem.other_moment, "other_moment_total": mem.other_total / GIB,
+                       "in_flight_microbatches": mem.in_flight,
                        "activations_per_microbatch_no_ac": mem.activations_per_mb["none"] / GIB,
                        "activations_per_microbatch": mem.activations_per_mb["kept"] / GIB,
                        "per_pp_rank_total": [rk.memory.total / GIB for rk in ranks]},
-        "communication": {"pp_rank": worst, "rows": comm},
+        "compute": {"pp_rank": slow, "which": "the slowest pp rank (the step estimate's)" if pp > 1 else "every device",
+                    "flops_per_token_per_device": ranks[slow].flops, "recompute_factor": ranks[slow].ac_factor,
+                    "seconds": est.compute_s},
+        "communication": {"pp_rank": slow, "which": "the slowest pp rank (the step estimate's)" if pp > 1 else "every device",
+                          "rows": slow_rows, "total_gb": sum(r["gb"] for r in slow_rows),
+                          "total_seconds": sum(r["seconds"] for r in slow_rows)},
+        "per_pp_rank": per_rank,
         "pipeline": {"bubble_fraction": bubble,
                      "definition": "idle share of the step time: (p - 1) / (m + p - 1), interleaved (p - 1) / (v m + p - 1)"},
         "estimate": {"step_s": est.step_s, "compute_s": est.compute_s, "comm_s": est.comm_s, "exposed_comm_s": est.exposed_comm_s,
-                     "bubble_s": est.bubble_s, "optimizer_s": est.optimizer_s, "tokens_per_s_per_device": est.tokens_per_s_per_device,
-                     "mfu": est.mfu, "compute_efficiency": compute_efficiency, "overlap": overlap, "slowest_pp_rank": est.slowest_rank},
+                     "exposed_once_comm_s": est.once_s, "bubble_s": est.bubble_s, "optimizer_s": est.optimizer_s,
+                     "tokens_per_s_per_device": est.tokens_per_s_per_device,
+                     "mfu": est.mfu, "compute_efficiency": compute_efficiency, "overlap": overlap, "slowest_pp_rank": slow,
+                     "once_pp_rank": est.once_rank},
     }

@@ -92,7 +92,14 @@ def optimizer_seconds(shards: Sequence[ParamShard], device: Device, *, precision
 
 @dataclass(frozen=True)
 class Estimate:
-    """Seconds of one step and its parts, tokens/s per device, MFU (0..1)."""
+    """Seconds of one step and its parts, tokens/s per device, MFU (0..1).
+
+    ``slowest_rank``: the pp rank whose time per micro-batch sets the pipeline's pace (its
+    compute and per-micro-batch communication are ``compute_s`` and part of ``comm_s``);
+    ``once_rank``: the pp rank whose once-a-step collectives take longest (the step waits for
+    it); ``per_rank``: per pp rank, seconds per step of ``compute`` (recomputation included),
+    ``comm`` (per-micro-batch collectives, before overlap), ``once`` (once-a-step collectives)
+    and ``busy`` (compute and what is exposed of ``comm``)."""
 
     step_s: float
     compute_s: float
@@ -104,6 +111,8 @@ class Estimate:
     tokens_per_s_per_device: float
     mfu: float
     slowest_rank: int
+    once_rank: int
+    per_rank: list[dict[str, float]]
 
 
 def _fsdp(row: CommRow) -> bool:
@@ -153,11 +162,14 @@ def estimate_step(*, rank_flops: Sequence[float], rank_rows: Sequence[Sequence[C
     t_mb, compute, comm = per_rank[slow]
     busy = n_mb * t_mb
     pipe = busy / (1 - bubble)
-    once = max((sum(comm_seconds(row, sizes, device.intra_bw, device.inter_bw, device.per_node) for row in rows) for rows in once_rows),
-               default=0.0)
+    onces = [sum(comm_seconds(row, sizes, device.intra_bw, device.inter_bw, device.per_node) for row in rows) for rows in once_rows]
+    once_rank = max(range(len(onces)), key=lambda r: onces[r]) if onces else slow
+    once = onces[once_rank] if onces else 0.0
     once_exposed = once if overlap == "none" else max(0.0, once - pipe)
     step = pipe + once_exposed + optimizer_s
     tps = step_tokens / step / devices
+    table = [{"compute": n_mb * c, "comm": n_mb * m, "once": onces[r] if onces else 0.0, "busy": n_mb * t}
+             for r, (t, c, m) in enumerate(per_rank)]
     return Estimate(step_s=step, compute_s=n_mb * compute, comm_s=n_mb * comm + once, exposed_comm_s=busy - n_mb * compute + once_exposed,
                     bubble_s=pipe - busy, once_s=once_exposed, optimizer_s=optimizer_s, tokens_per_s_per_device=tps,
-                    mfu=model_flops * tps / device.peak_flops, slowest_rank=slow)
+                    mfu=model_flops * tps / device.peak_flops, slowest_rank=slow, once_rank=once_rank, per_rank=table)

@@ -30,13 +30,22 @@ Activations (:mod:`mff.plan.activations`) are held for as many micro-batches as 
 in flight on that rank (:mod:`mff.plan.schedule`), plus the larger of one layer rebuilt under
 activation checkpointing and the head's transients (the rank holding the last stage).
 
-The peak is the larger of two moments: the start of the last micro-batch's backward
-(activations, working copies and the gradients already made: for pp = 1 those of the earlier
-micro-batches of ``--grad-accum``; under pipelining the whole gradients, in the working copies,
-and those of params that are not gathered, which accumulate from the first backward on) and the
-end of the backward (for pp = 1 the gradients, beside those of the earlier micro-batches while
-they are summed; under pipelining the reduced gradient shards beside the whole copies). The
-optimizer update is in place and needs no more. Not counted: the CUDA context, the
+The peak is the larger of two moments, and the rows name what is held at the one that wins
+(the other moment's total is kept beside it, ``other_total``):
+
+- the start of the last micro-batch's backward: activations, working copies and the gradients
+  already made: for pp = 1 the sum of the earlier micro-batches' of ``--grad-accum``; under
+  pipelining those of params that are not gathered, which accumulate from the first backward
+  on (the whole gradients of the gathered params are counted in the working copies);
+- the end of a backward. pp = 1: :func:`mff.train.step.train_step` takes each micro-batch's
+  gradients with ``torch.autograd.grad``, which returns them all at once, and only then adds
+  them to the sum of the earlier micro-batches'; so from the second micro-batch of
+  ``--grad-accum`` on, the micro-batch's gradients (row ``new grads``) and that sum (row
+  ``grads``) are both held whole for a moment, twice the gradient memory, while activations and
+  gathered weights are freed by then. With small micro-batches (little activation memory) this
+  is the peak. Under pipelining: the reduced gradient shards beside the whole copies.
+
+The optimizer update is in place and needs no more. Not counted: the CUDA context, the
 communication library's buffers, allocator fragmentation, and the small tensors of the step
 (losses, counts, expert loads).
 """
@@ -49,7 +58,7 @@ from dataclasses import dataclass
 from mff.plan.activations import StageActivations
 from mff.plan.shards import ParamShard
 
-__all__ = ["GIB", "RankMemory", "rank_memory"]
+__all__ = ["GIB", "ROWS", "RankMemory", "rank_memory"]
 
 GIB = 1024**3
 
@@ -57,16 +66,28 @@ GIB = 1024**3
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes per device of one pp rank at its peak. ``rows`` name what is held at that moment
-    (they sum to ``total``); ``moment`` says which moment it is; ``activations_per_mb`` maps
-    ``none``/``kept`` to one micro-batch's activations over the rank's stages without
-    checkpointing and under the run's ``ac``; ``in_flight`` counts the stage-micro-batches held."""
+    (they sum to ``total``; :data:`ROWS` in that order); ``moment`` says which moment it is and
+    ``why`` what is held then and why; ``notes`` explain rows whose meaning depends on the
+    moment; ``other_moment`` / ``other_total`` the moment that is not the peak and its total;
+    ``activations_per_mb`` maps ``none``/``kept`` to one micro-batch's activations over the
+    rank's stages without checkpointing and under the run's ``ac``; ``in_flight`` counts the
+    micro-batches whose activations are held (summed over the rank's stages)."""
 
     rows: dict[str, float]
     total: float
     moment: str
+    why: str
+    notes: dict[str, str]
+    other_moment: str
+    other_total: float
     activations_per_mb: dict[str, float]
     in_flight: int
     grads_full: float
+
+
+ROWS = ("params", "optimizer", "grads", "new grads", "working copies", "activations")
+
+_START = "the start of the last micro-batch's backward"
 
 
 def _bytes(s: ParamShard, n: int, storage: int) -> float:
@@ -123,13 +144,35 @@ def rank_memory(shards: Mapping[str, ParamShard], keys: Sequence[str], blocks: M
         grads_full = grads
     acts = sum(held[s] * stages[s].kept(tokens) for s in stages) + max((max(st.rebuilt * tokens, st.transient) for st in stages.values()),
                                                                      default=0.0)
-    start = {"params": params, "optimizer": optimizer, "working copies": working, "activations": acts, "grads": during}
+    start = {"params": params, "optimizer": optimizer, "grads": during, "new grads": 0.0, "working copies": working, "activations": acts}
+    start_notes = {"grads": "the sum of the earlier micro-batches' gradients" if not pipelined and grad_accum > 1 else
+                   "the gradients of the params that are not gathered" if pipelined else ""}
+    start_why = ("every micro-batch's activations the schedule holds, the working copies, and the gradients made so far"
+                 if pipelined else "the micro-batch's activations and working copies" +
+                 (", beside the sum of the earlier micro-batches' gradients" if grad_accum > 1 else ""))
     if pipelined:  # activations freed; the reduced gradients of the gathered params arrive
-        end = {"params": params, "optimizer": optimizer, "working copies": working, "activations": 0.0, "grads": grads}
-    else:  # the micro-batch's gradients, summed into the earlier ones
-        end = {"params": params, "optimizer": optimizer, "working copies": 0.0, "activations": 0.0, "grads": grads + during}
-    rows, moment = (start, "the start of the last micro-batch's backward") if sum(start.values()) >= sum(end.values()) \
-        else (end, "the end of the backward")
+        end = {"params": params, "optimizer": optimizer, "grads": grads, "new grads": 0.0, "working copies": working, "activations": 0.0}
+        end_moment = "the end of the step's last backward"
+        end_why = "the reduced gradient shards beside the whole copies and their whole gradients, before the optimizer update"
+        end_notes = {"grads": "the reduced gradient shards"}
+    elif grad_accum > 1:  # torch.autograd.grad returns the micro-batch's gradients whole; then they are added to the sum
+        end = {"params": params, "optimizer": optimizer, "grads": during, "new grads": grads, "working copies": 0.0, "activations": 0.0}
+        end_moment = (f"the end of each micro-batch's backward after the first of --grad-accum {grad_accum}, when its gradients "
+                      "are held beside the sum of the earlier ones'")
+        end_why = ("torch.autograd.grad returns a micro-batch's gradients all at once and only then are they added to the sum; "
+                   "activations and gathered weights are freed by then")
+        end_notes = {"grads": "the sum of the earlier micro-batches' gradients",
+                     "new grads": "this micro-batch's gradients, until they are added to the sum"}
+    else:
+        end = {"params": params, "optimizer": optimizer, "grads": grads, "new grads": 0.0, "working copies": 0.0, "activations": 0.0}
+        end_moment = "the end of the backward"
+        end_why = "every gradient made; activations and gathered weights freed"
+        end_notes = {"grads": "every gradient of the step"}
+    if sum(start.values()) >= sum(end.values()):
+        rows, moment, why, notes, other, other_moment = start, _START, start_why, start_notes, end, end_moment
+    else:
+        rows, moment, why, notes, other, other_moment = end, end_moment, end_why, end_notes, start, _START
     per_mb = {"none": sum(st.kept(tokens) for st in none_stages.values()), "kept": sum(st.kept(tokens) for st in stages.values())}
-    return RankMemory(rows=rows, total=sum(rows.values()), moment=moment, activations_per_mb=per_mb,
+    return RankMemory(rows=rows, total=sum(rows.values()), moment=moment, why=why, notes={k: v for k, v in notes.items() if v},
+                      other_moment=other_moment, other_total=sum(other.values()), activations_per_mb=per_mb,
                       in_flight=sum(held.values()), grads_full=grads_full)

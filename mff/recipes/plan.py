@@ -4,32 +4,69 @@ running it.
     python -m mff.recipes.plan --model deepseek3 --size v3-671b --devices 2048 --hardware h800 \\
         --parallel.pp 16 --parallel.ep 64 --seq-len 4096 --batch-size 15360 --ac full
 
-Prints the memory per device (params, gradients, optimizer state, the working copies of the
-params, activations of one micro-batch with and without activation checkpointing and of the
-micro-batches the pipeline schedule keeps in flight), the communication per step by mesh axis,
-the pipeline bubble, and an estimated step time, tokens/s per device and MFU from the device
-table (:mod:`mff.plan`); ``--json FILE`` writes the same as one JSON object. Options take the
-training recipes' names (``--seq-len``, ``--batch-size``, ``--grad-accum``, ``--precision``,
-``--ac``, ``--optim.*``, ``--parallel.*``, ``--model.<hf-field>``), and a layout the recipes would
-refuse is refused with their message. A layout whose most loaded device needs more memory than
-the device has is refused, saying by how much (exit code 2).
+Prints the memory per device of the most loaded pp rank at its peak moment (params, gradients,
+optimizer state, the working copies of the params, activations of one micro-batch with and
+without activation checkpointing and of the micro-batches the pipeline schedule keeps in
+flight), the compute and communication per step of the slowest pp rank (the one the step
+estimate uses), every pp rank's totals, the pipeline bubble, and an estimated step time,
+tokens/s per device and MFU from the device table (:mod:`mff.plan`); ``--json FILE`` writes the
+same as one JSON object. A layout the recipes would refuse is refused with their message. A
+layout whose most loaded device needs more memory than the device has is refused (exit code 2)
+saying by how much, at which moment of the step, and which single change of the options fits
+(each tried on paper), or that no layout of that device count can fit and at least how many
+devices it takes; ``--show-anyway`` prints the whole plan all the same.
+
+What the planner reads: --model / --size / --model.<field> (the shapes), --devices, --hardware,
+--seq-len, --batch-size, --grad-accum, --precision, --ac, --optim.name, --optim.muon-ns-steps,
+--optim.muon-adamw-params, every --parallel.* size and pipeline option, --compute-efficiency,
+--overlap, --json, --show-anyway. The training recipes' other --optim.* fields and
+--parallel.timeout-s are accepted, so that a training command line plans as it is, and checked as
+training checks them, but change nothing in a plan (their help says so).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import typing
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Annotated, Generic, Literal, TypeVar
+
+import tyro
 
 from mff.optim import OptimConfig
 from mff.parallel import ParallelConfig
 from mff.plan import format_plan, make_plan
 from mff.recipes.common import parse_model_args, run_recipe_main
 
-__all__ = ["PlanConfig", "main"]
+__all__ = ["PlanConfig", "PlanOptimConfig", "PlanParallelConfig", "main"]
 
 C = TypeVar("C")
+
+IGNORED = "Not read by the planner (accepted so that a training command line plans as it is)."
+
+
+def _planner_view(cls: type, read: set[str], name: str, doc: str) -> type:
+    """A subclass of the dataclass ``cls`` whose fields outside ``read`` say in their --help that
+    the planner does not read them (:data:`IGNORED`); parsing, defaults and checks are ``cls``'s."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        if f.name in read:
+            continue
+        default = {"default": f.default} if f.default is not dataclasses.MISSING else {"default_factory": f.default_factory}
+        fields.append((f.name, Annotated[hints[f.name], tyro.conf.arg(help=IGNORED)], dataclasses.field(**default)))
+    view = dataclasses.make_dataclass(name, fields, bases=(cls,), frozen=True, namespace={"__doc__": doc, "__module__": __name__})
+    return view
+
+
+PlanOptimConfig = _planner_view(OptimConfig, {"name", "muon_ns_steps", "muon_adamw_params"}, "PlanOptimConfig",
+                                "The training recipes' optimizer options; the planner reads --optim.name (AdamW keeps two fp32 "
+                                "moments, Muon one for the hidden matrices), --optim.muon-adamw-params and --optim.muon-ns-steps.")
+PlanParallelConfig = _planner_view(ParallelConfig, {f.name for f in dataclasses.fields(ParallelConfig)} - {"timeout_s"},
+                                   "PlanParallelConfig", "Parallel sizes and the pipeline schedule (as the training recipes take "
+                                   "them; --parallel.timeout-s is not read by the planner).")
 
 
 @dataclass(frozen=True)
@@ -54,16 +91,18 @@ class PlanConfig(Generic[C]):
     """fp32; bf16-mixed (fp32 params and optimizer state, bf16 compute); bf16 (bf16 params, fp32 optimizer state)."""
     ac: Literal["none", "full", "selective"] = "none"
     """Activation checkpointing per block: none, full (keep each block's input) or selective (keep matmul and attention outputs)."""
-    optim: OptimConfig = OptimConfig()
-    """Optimizer: --optim.name adamw (two fp32 moments) or muon (one for hidden matrices); the other fields do not change the plan."""
-    parallel: ParallelConfig = ParallelConfig()
-    """Parallel sizes and the pipeline schedule."""
+    optim: PlanOptimConfig = PlanOptimConfig()  # type: ignore[valid-type]
+    """Optimizer: --optim.name adamw (two fp32 moments) or muon (one for hidden matrices), --optim.muon-adamw-params, --optim.muon-ns-steps; the other --optim.* fields do not change a plan."""
+    parallel: PlanParallelConfig = PlanParallelConfig()  # type: ignore[valid-type]
+    """Parallel sizes and the pipeline schedule (--parallel.timeout-s does not change a plan)."""
     compute_efficiency: float = 0.5
     """Fraction of the device's peak FLOP/s the compute is assumed to reach (an assumption, not a measurement)."""
     overlap: Literal["none", "fsdp", "all"] = "none"
     """Communication hidden behind compute: none (mff's runtime: every collective waits), fsdp (FSDP/HSDP hidden, as torchtitan prefetches), all (every collective hidden)."""
     json: str | None = None
     """Also write the plan as one JSON object to this file ('-' = standard output, instead of the text)."""
+    show_anyway: bool = False
+    """Print (and write with --json) the whole plan even when the layout does not fit, its first line saying so (exit code still 2)."""
 
 
 def _train_config(cfg: PlanConfig):
@@ -78,15 +117,17 @@ def run(cfg: PlanConfig, family: str, size: str) -> int:
 
     model = build(family, cfg.model)  # a meta skeleton: no storage
     plan = make_plan(model, family=family, size=size, hardware=cfg.hardware, devices=cfg.devices, parallel=cfg.parallel,
-                     train_cfg=_train_config(cfg), compute_efficiency=cfg.compute_efficiency, overlap=cfg.overlap)
+                     train_cfg=_train_config(cfg), compute_efficiency=cfg.compute_efficiency, overlap=cfg.overlap,
+                     refuse=not cfg.show_anyway)
+    code = 0 if plan["memory_gib"]["fits"] else 2
     if cfg.json == "-":
         print(json.dumps(plan, indent=1))
-        return 0
+        return code
     print(format_plan(plan))
     if cfg.json is not None:
         with open(cfg.json, "w") as f:
             json.dump(plan, f, indent=1)
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

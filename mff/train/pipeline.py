@@ -180,7 +180,8 @@ class Pipeline:
         parts = []
         for s, r in enumerate(self.layout.layers):
             extra = (["embedding"] if s == 0 else []) + (tail if s == last else [])
-            parts.append(f"stage {s} (rank {self.layout.rank_of(s)}): layers {r.start}-{r.stop - 1}" + (f" + {', '.join(extra)}" if extra else ""))
+            span = f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
+            parts.append(f"stage {s} (rank {self.layout.rank_of(s)}): {span}" + (f" + {', '.join(extra)}" if extra else ""))
         return (f"pipeline: {self.schedule_name}, {self.layout.num_stages} stages on {self.pp} ranks, "
                 f"{self.microbatches} micro-batches; " + "; ".join(parts))
 
