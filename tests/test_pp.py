@@ -144,6 +144,22 @@ def test_checkpoint_resumes_on_another_layout(runs, tmp_path, source, nproc, fla
         assert got[step] == pytest.approx(ref[step], abs=TOL), (step, got, ref)
 
 
+def test_a_rank_that_cannot_read_its_pieces_stops_every_rank(runs, tmp_path):
+    """Resuming reads each rank's own pieces; a truncated piece file of one rank stops both ranks
+    at start-up with one line naming it (not one rank, the other failing later in a collective)."""
+    root, corpus, cache, _ = runs
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(root / "pp2", ckpt)
+    piece = ckpt / "step_00000002" / "model-rank00001-of-00002.safetensors"
+    piece.write_bytes(piece.read_bytes()[:100])
+    r, per_rank = torchrun_rank_stderr(2, _args(corpus, ckpt, tmp_path / "m.jsonl") + ["--parallel.pp", "2"], tmp_path)
+    assert r.returncode != 0
+    for rank, err in enumerate(per_rank):
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"error: rank {rank}: ") and piece.name in lines[0], err
+    assert "step     3" not in r.stdout
+
+
 # ---- acceptance 5: bad input, one line each ------------------------------------------------
 
 @pytest.mark.parametrize("extra, cause", [
@@ -151,6 +167,9 @@ def test_checkpoint_resumes_on_another_layout(runs, tmp_path, source, nproc, fla
      "--parallel.pp 2 makes 2 pipeline stages, more than the model's 1 layers (each stage needs at least one layer)"),
     (["--parallel.pp", "2", "--model.num-hidden-layers", "4", "--parallel.pp-layers", "1,2"],
      "--parallel.pp-layers '1,2' covers 3 layers; the model has 4, so layers 3..3 would be in no stage"),
+    (["--parallel.pp", "2", "--parallel.pp-microbatches", "0"], "--parallel.pp-microbatches 0: must be an integer >= 1"),
+    (["--parallel.pp", "3"], "WORLD_SIZE 2 is not divisible by pp 3 x dp_replicate 1 x ep 1 x tp 1 = 3"),  # before the ranks connect
+    (["--parallel.pp-layers", "1,3"], "--parallel.pp-layers 1,3 is a pipeline option: give --parallel.pp N (N > 1) too, or leave it out"),
     (["--parallel.pp", "2", "--parallel.pp-microbatches", "1"],
      "--parallel.pp-microbatches 1: the 1f1b schedule needs at least one micro-batch per pipeline rank (>= --parallel.pp 2); "
      "use more micro-batches or --parallel.pp-schedule gpipe"),
@@ -207,6 +226,16 @@ def test_balanced_split_minimises_the_slowest_stage_against_brute_force():
 
         best = min(worst(c) for c in itertools.product(range(1, n + 1), repeat=k) if sum(c) == n)
         assert sum(got) == n and min(got) >= 1 and worst(got) == pytest.approx(best), (costs, k, got)
+
+
+def test_a_validation_split_smaller_than_the_ranks_stops_every_rank():
+    """rank_slices refuses on every rank, also those that would get rows, so all ranks stop alike."""
+    from mff.train.loop import rank_slices
+
+    one = {"input_ids": torch.zeros(1, 4, dtype=torch.int64), "labels": torch.zeros(1, 4, dtype=torch.int64)}
+    for rank in (0, 1):
+        with pytest.raises(ValueError, match="the validation split has 1 windows, fewer than the 2 data-parallel ranks"):
+            rank_slices([one], rank, 2)
 
 
 def test_stage_layout_places_stages_round_robin():

@@ -34,6 +34,7 @@ from mff.backend.npu import swiglu_torch
 from mff.parallel.watchdog import set_timeout
 
 __all__ = [
+    "launch_world_size",
     "available_memory_gib",
     "check_group_counts",
     "DEVICES",
@@ -214,6 +215,23 @@ def local_device(device_type: str) -> torch.device:
         device = torch.device("cpu")
     select_ops(device_type)
     return device
+
+
+def launch_world_size() -> int:
+    """The process count the launcher (torchrun) announces in ``WORLD_SIZE`` (1 without one),
+    known before the ranks connect: a layout that cannot fit it can fail on every rank alike
+    instead of on the first rank while the others are still connecting.
+
+    Raises:
+        ValueError: a ``WORLD_SIZE`` that is not a positive integer."""
+    text = os.environ.get("WORLD_SIZE", "1")
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"WORLD_SIZE={text!r} in the environment is not a positive integer (torchrun sets it)")
+    return n
 
 
 def init_distributed(device_type: str, timeout_s: float = 1800.0) -> DistInfo:

@@ -3,6 +3,7 @@ MindSpore ``.ckpt`` files and MindSpore/MindFormers safetensors (``mff.ckpt.mind
 
 from mff.ckpt.checkpoint import (
     CheckpointError,
+    agree,
     latest_step_dir,
     list_steps,
     load,
@@ -15,5 +16,5 @@ from mff.ckpt.checkpoint import (
 )
 
 __all__ = [
-    "CheckpointError", "latest_step_dir", "list_steps", "load", "lock_dir", "place_like", "read_meta", "save", "save_weights", "step_dir_name",
+    "CheckpointError", "agree", "latest_step_dir", "list_steps", "load", "lock_dir", "place_like", "read_meta", "save", "save_weights", "step_dir_name",
 ]

@@ -255,7 +255,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _agree(err: BaseException | None, what: str) -> None:
+def agree(err: BaseException | None, what: str) -> None:
     """Every rank learns whether any rank failed at ``what``; all then raise CheckpointError
     with the first failing rank's message (so no rank waits for one that gave up)."""
     rank, world = _rank_world()
@@ -452,7 +452,7 @@ def save(
             tmp = _prepare_tmp(root, final)
         except (CheckpointError, OSError) as e:
             err = e
-    _agree(err, f"creating the temp folder of step {step}")
+    agree(err, f"creating the temp folder of step {step}")
     if world > 1:
         box = [str(tmp) if tmp is not None else None]
         with collective(f"broadcast_object_list (checkpoint temp folder of step {step})"):
@@ -470,7 +470,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
-        _agree(err, f"writing the shard files of step {step}")
+        agree(err, f"writing the shard files of step {step}")
     except CheckpointError:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -484,7 +484,7 @@ def save(
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             err = CheckpointError(f"cannot complete checkpoint {final}: {e.strerror or e}")
-    _agree(err, f"committing step {step}")
+    agree(err, f"committing step {step}")
     return final
 
 

@@ -72,10 +72,16 @@ def mesh_shape(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int
     Raises:
         ValueError: context parallelism > 1 ("not supported yet"), a size < 1 (other than
             dp_shard=-1), a ``pp`` that does not divide ``world_size``, or a product that does
-            not equal ``world_size`` (the message shows each size and the product).
+            not equal ``world_size`` (the message shows each size and the product); a pipeline
+            option (``pp_layers``, ``pp_microbatches``, ``pp_stages_per_rank``) without ``pp`` > 1.
     """
     if cfg.cp != 1:
         raise ValueError(f"--parallel.cp {cfg.cp}: context parallelism is not supported yet (only 1)")
+    if cfg.pp == 1:
+        for name in ("pp_layers", "pp_microbatches", "pp_stages_per_rank"):
+            if getattr(cfg, name) is not None:
+                raise ValueError(f"--parallel.{name.replace('_', '-')} {getattr(cfg, name)} is a pipeline option: give --parallel.pp N "
+                                 "(N > 1) too, or leave it out")
     for name in ("pp", "dp_replicate", "tp", "ep"):
         size = getattr(cfg, name)
         if not isinstance(size, int) or size < 1:

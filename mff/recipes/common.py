@@ -32,14 +32,27 @@ def refuse_pipeline(argv: Sequence[str], recipe: str) -> None:
                              f"python -m mff.recipes.pretrain --parallel.pp N); {recipe} reads a pipeline run's checkpoint as any other")
 
 
+def _launched_rank() -> int | None:
+    """This process's rank under several processes (from the process group, or from torchrun's
+    RANK before the group exists); None on one process."""
+    if dist.is_initialized():
+        return dist.get_rank() if dist.get_world_size() > 1 else None
+    try:
+        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return None
+    return rank if world > 1 else None
+
+
 def fail(err: BaseException, code: int) -> int:
     """Print ``error: <message>`` (one line, no traceback) to stderr and return ``code``; under
     several processes the message starts with ``rank N:`` (every rank prints its own)."""
     msg = str(err).strip() or type(err).__name__
     if isinstance(err, FileNotFoundError) and err.filename and str(err.filename) not in msg:
         msg = f"{msg}: {err.filename}"
-    if dist.is_initialized() and dist.get_world_size() > 1 and not msg.startswith(f"rank {dist.get_rank()}:"):
-        msg = f"rank {dist.get_rank()}: {msg}"
+    rank = _launched_rank()
+    if rank is not None and not msg.startswith(f"rank {rank}:"):
+        msg = f"rank {rank}: {msg}"
     sys.stderr.write(f"error: {msg}\n")  # one write: ranks sharing an unbuffered stderr do not interleave mid-line
     sys.stderr.flush()
     return code

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mff import ckpt
-from mff.backend import cpu_threads, init_distributed, resolve_device
+from mff.backend import cpu_threads, init_distributed, launch_world_size, resolve_device
 from mff.ckpt.autoload import checkpoint_kind, load_gguf
 from mff.ckpt.tokenizer_files import TextAssets, load_text_assets, read_tokenizer, save_text_assets
 from mff.data.sft import SFTDataConfig, SFTLoader, build_sft_data, read_chat_template, sft_eval_batches
@@ -45,7 +45,7 @@ from mff.data.stats import unigram_entropy
 from mff.models import build, get_family
 from mff.models.common import config_from_dict
 from mff.optim import OptimConfig, init_state
-from mff.parallel import build_mesh, data_parallel_rank, data_parallel_size, placements_of
+from mff.parallel import build_mesh, data_parallel_rank, data_parallel_size, mesh_shape, placements_of
 from mff.parallel.watchdog import collective
 from mff.peft import LoraConfig, init_adapters, lora_spec
 from mff.peft.load import base_fingerprint, load_model, lora_meta, read_adapter, spec_from_meta
@@ -237,7 +237,8 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     _check_lora(cfg)
-    # backend -> mesh
+    # backend -> mesh (a layout that cannot fit the launched processes fails before the ranks connect)
+    mesh_shape(cfg.parallel, launch_world_size())
     dist_info = init_distributed(resolve_device(cfg.device), cfg.parallel.timeout_s)
     if threads is not None:
         print0(f"threads: {threads} ({why})")

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 import torch
 
 from mff import ckpt
-from mff.backend import cpu_threads, init_distributed, resolve_device
+from mff.backend import cpu_threads, init_distributed, launch_world_size, resolve_device
 from mff.data import (
     DataConfig,
     Loader,
@@ -31,7 +31,7 @@ from mff.data.megatron_source import SampleLoader, as_blend, batch_keys, build_m
 from mff.model import check_model_fits
 from mff.models import build, get_family
 from mff.optim import init_state
-from mff.parallel import build_mesh, data_parallel_rank, data_parallel_size, placements_of
+from mff.parallel import build_mesh, data_parallel_rank, data_parallel_size, mesh_shape, placements_of
 from mff.parallel.watchdog import collective
 from mff.recipes.common import config_to_dict, parse_model_args, print0, run_training_main
 from mff.recipes.init_from import apply_init, prepare_init, save_tokenizer
@@ -101,7 +101,8 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     threads, why = cpu_threads(cfg.threads, resolve_device(cfg.device))
     if threads is not None:
         torch.set_num_threads(threads)
-    # backend -> mesh
+    # backend -> mesh (a layout that cannot fit the launched processes fails before the ranks connect)
+    mesh_shape(cfg.parallel, launch_world_size())
     dist_info = init_distributed(resolve_device(cfg.device), cfg.parallel.timeout_s)
     if threads is not None:
         print0(f"threads: {threads} ({why})")

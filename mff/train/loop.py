@@ -91,10 +91,10 @@ def rank_slices(batches: list[dict], rank: int, size: int) -> list[dict]:
     gathers are collectives). Raises ValueError when a batch has fewer rows than ranks."""
     out = []
     for b in batches:
-        parts = {k: torch.tensor_split(v, size)[rank] for k, v in b.items()}
-        if parts["input_ids"].shape[0] == 0:
-            raise ValueError(f"the validation split has {b['input_ids'].shape[0]} windows, fewer than the {size} data-parallel ranks")
-        out.append(parts)
+        if b["input_ids"].shape[0] < size:  # checked on every rank (not only on those left without rows), so all stop alike
+            raise ValueError(f"the validation split has {b['input_ids'].shape[0]} windows, fewer than the {size} data-parallel ranks; "
+                             "give it more documents (--data.val-permille; --data.split for Megatron data) or use --eval-every 0")
+        out.append({k: torch.tensor_split(v, size)[rank] for k, v in b.items()})
     return out
 
 
@@ -182,7 +182,13 @@ def resume(cfg: TrainConfig, last: Path | None, saved: dict[str, torch.Tensor], 
         return saved, opt_state, 0, 0
     where = f"{last / 'meta.msgpack'}"
     with _previous_step_hint(last):
-        saved, opt_state, meta = ckpt.load(last, saved, opt_state, model_params)
+        loaded, err = None, None
+        try:
+            loaded = ckpt.load(last, saved, opt_state, model_params)
+        except ckpt.CheckpointError as e:
+            err = e
+        ckpt.agree(err, f"reading {last}")  # a rank that cannot read its pieces stops every rank (each reads only its own)
+        saved, opt_state, meta = loaded
         try:
             loader.load_state_dict(meta["data"])
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:

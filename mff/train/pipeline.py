@@ -148,7 +148,7 @@ class Pipeline:
                  precision: str = "fp32"):
         self.model, self.mesh, self.device, self.precision = model, mesh, device, precision
         self.layout = plan_stages(model, parallel, seq_len)
-        self.microbatches = parallel.pp_microbatches or self.layout.num_stages
+        self.microbatches = parallel.pp_microbatches if parallel.pp_microbatches is not None else self.layout.num_stages
         check_microbatches(parallel.pp_schedule, self.microbatches, parallel.pp)
         if rows % self.microbatches:
             raise ValueError(f"--parallel.pp-microbatches {self.microbatches} does not divide the {rows} rows each pipeline gets per "
