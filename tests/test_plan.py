@@ -366,19 +366,23 @@ def test_plan_does_not_fit_is_a_value_error():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--devices", "100", "--parallel.ep", "64"], "WORLD_SIZE 100 is not divisible by dp_replicate 1 x ep 64 x tp 1 = 64"),
-    (["--devices", "24", "--parallel.pp", "16", "--parallel.dp-shard", "1"], "mesh pp 16 x dp_replicate 1 x dp_shard 1 x ep 1 x tp 1 = 16"),
-    (["--devices", "24", "--parallel.tp", "3"], "do not split evenly over mesh axes tp 3"),
-    (["--devices", "16", "--batch-size", "12"], "--batch-size 12 must be divisible by data-parallel ranks 16"),
-    (["--devices", "16", "--parallel.pp", "4", "--batch-size", "64", "--parallel.pp-microbatches", "3"],
+    (["--devices", "100", "--parallel.ep", "64"], "--devices 100 is not divisible by dp_replicate 1 x ep 64 x tp 1 = 64"),
+    (["--devices", "24", "--parallel.pp", "16", "--parallel.dp-shard", "1"],
+     "mesh pp 16 x dp_replicate 1 x dp_shard 1 x ep 1 x tp 1 = 16 devices, but --devices is 24"),
+    (["--devices", "192", "--parallel.tp", "3"], "do not split evenly over mesh axes tp 3"),
+    (["--devices", "192", "--batch-size", "12"], "--batch-size 12 must be divisible by data-parallel ranks 192"),
+    (["--devices", "256", "--parallel.pp", "4", "--batch-size", "256", "--parallel.pp-microbatches", "3"],
      "the 1f1b schedule needs at least one micro-batch per pipeline rank"),
     (["--hardware", "h900"], "--hardware 'h900': unknown device; known: h100 (H100 SXM5 80GB), h800"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
+    """(Device counts large enough that the 671B model's params, grads and optimizer state could
+    fit: a layout that cannot is refused for that first, unless the mesh itself is refused.)"""
     code, out, err = _main(["--model", "deepseek3", "--size", "v3-671b", "--seq-len", "4096", *args], capsys)
     assert code == 2 and out == ""
     assert err.startswith("error: ") and err.count("\n") == 1
     assert message in err, err
+    assert "WORLD_SIZE" not in err and "processes" not in err
     if "--hardware" in args:
         assert all(k in err for k in DEVICES)
 
@@ -392,6 +396,292 @@ def test_json_output(capsys, tmp_path):
     code, out, _ = _main([*args, "--json", str(tmp_path / "p.json")], capsys)
     assert code == 0 and "tokens/s per device" in out
     assert json.loads((tmp_path / "p.json").read_text()) == plan
+
+
+# ------------------------------------------------------------------------------------------
+# the bad-input attack: absurd sizes refused before a skeleton is built, the float options
+# checked before use, --json written atomically, 0 micro-batches refused, --devices named
+
+QWEN_SMALL = ["--model", "qwen3", "--devices", "2", "--seq-len", "64", "--batch-size", "4"]
+
+
+def _forbid_big_skeletons(monkeypatch, most: int = 100) -> None:
+    """Make building a :class:`mff.model.Model` of more than ``most`` layers (MTP depths included)
+    fail the test: the planner must refuse such configs before it builds their skeleton."""
+    from mff.model import Model
+
+    init = Model.__init__
+
+    def guarded(self, family, config, *args, **kwargs):
+        layers = config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", 0) or 0)
+        if layers > most:
+            raise AssertionError(f"a skeleton of {layers} layers was built")
+        init(self, family, config, *args, **kwargs)
+
+    monkeypatch.setattr(Model, "__init__", guarded)
+
+
+@pytest.mark.parametrize("flags", [["--model.num-hidden-layers", "1000000"], ["--model.num-nextn-predict-layers", "100000"],
+                                   ["--model.num-hidden-layers", str(10**15)]])
+def test_absurd_layer_counts_are_refused_before_a_skeleton(flags, capsys, monkeypatch):
+    """Attack finding 1: a million layers (or 100,000 MTP depths) took 40+ minutes, building a
+    skeleton of every layer; the params, grads and optimizer state, counted from a few layers,
+    cannot fit 8 devices, which is said at once (one line, exit code 2), no skeleton built."""
+    import time
+
+    _forbid_big_skeletons(monkeypatch)
+    start = time.monotonic()
+    code, out, err = _main(["--model", "deepseek3", *flags], capsys)
+    assert time.monotonic() - start < 60
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert re.fullmatch(r"error: deepseek3 tiny as configured \(num_hidden_layers \d+, num_nextn_predict_layers \d+, .*\) has (at least )?"
+                        r"[\d,]+ params; no layout of 8 devices fits: the params, grads and optimizer state alone need (at least )?[\d,.]+ GiB "
+                        r"per device even sharded over all of them, more than the 80 GiB of an H100 SXM5 80GB; at least [\d,]+ devices "
+                        r"\(a lower bound: activations and working copies come on top\)\n", err), err
+    assert f"{flags[0][len('--model.'):].replace('-', '_')} {flags[1]}," in err
+
+
+_KINDS = [
+    ("deepseek3", {"num_hidden_layers": 12, "first_k_dense_replace": 3, "moe_layer_freq": 2, "num_nextn_predict_layers": 2}),
+    ("deepseek3", {"num_hidden_layers": 3, "num_nextn_predict_layers": 7}),
+    ("qwen3_moe", {"num_hidden_layers": 9, "decoder_sparse_step": 2, "mlp_only_layers": (5,)}),
+    ("glm4_moe", {"num_hidden_layers": 8, "first_k_dense_replace": 2, "num_nextn_predict_layers": 3}),
+    ("llama", {"num_hidden_layers": 7}),
+    ("qwen3", {"num_hidden_layers": 6}),
+    ("glm4", {"num_hidden_layers": 9}),
+]
+
+
+@pytest.mark.parametrize("family,over", _KINDS)
+@pytest.mark.parametrize("precision,optim", [("bf16-mixed", "adamw"), ("bf16", "muon")])
+def test_config_state_counts_as_the_whole_skeleton(family, over, precision, optim, monkeypatch):
+    """The count from a few layers (each kind of layer once, MTP depths by kind) equals the
+    whole skeleton's: its params (and mff.model.estimate_param_count's), the state bytes of
+    every param as the plan counts them, its blocks; past EXACT_LAYERS it is a lower bound."""
+    from mff.model import estimate_param_count
+    from mff.optim.muon import DEFAULT_ADAMW_PATTERNS
+    from mff.plan import advice
+    from mff.plan.advice import config_state, state_bytes
+
+    fam = get_family(family)
+    cfg = dataclasses.replace(fam.sizes["tiny"], **over)
+    model = mff.build(family, cfg)
+    shards = list(param_shards(model, {}).values())
+    st = config_state(fam, cfg, precision=precision, optim=optim, adamw_patterns=DEFAULT_ADAMW_PATTERNS)
+    assert st.exact
+    assert st.params == sum(math.prod(s) for s in model.param_shapes().values()) == estimate_param_count(fam, cfg)
+    assert st.state == state_bytes(shards, precision, optim) > 0
+    assert st.blocks == len(model.skeleton.model.layers)
+    monkeypatch.setattr(advice, "EXACT_LAYERS", 2)
+    low = config_state(fam, cfg, precision=precision, optim=optim, adamw_patterns=DEFAULT_ADAMW_PATTERNS)
+    assert not low.exact and 0 < low.params <= st.params and 0 < low.state <= st.state
+
+
+def test_more_layers_than_the_planner_plans_are_refused_at_once(capsys, monkeypatch):
+    """Attack finding 1: a config that could fit but has more layers than MAX_LAYERS (each layer
+    is a meta module of a skeleton; 20,000 of them took minutes) is refused before its skeleton
+    is built, naming the flags; GLM-4.5's MTP depths, which mff does not build, do not count."""
+    from mff.plan import MAX_LAYERS
+
+    _forbid_big_skeletons(monkeypatch)
+    code, out, err = _main(["--model", "llama", "--model.num-hidden-layers", str(MAX_LAYERS + 1), "--devices", "4096"], capsys)
+    assert code == 2 and out == ""
+    assert err == (f"error: --model.num-hidden-layers {MAX_LAYERS + 1}: {MAX_LAYERS + 1:,} layers, more than the {MAX_LAYERS:,} the planner "
+                   "plans (it builds a meta skeleton of every layer before planning them; published models have at most a few hundred)\n")
+    code, out, err = _main(["--model", "deepseek3", "--model.num-nextn-predict-layers", str(MAX_LAYERS), "--devices", "4096"], capsys)
+    assert code == 2 and err.startswith(f"error: --model.num-hidden-layers 4 + --model.num-nextn-predict-layers {MAX_LAYERS}: "
+                                        f"{MAX_LAYERS + 4:,} layers, more than")
+    assert f"at most {MAX_LAYERS:,} layers (MTP depths included" in _readme_section()
+    monkeypatch.undo()  # GLM-4.5's skeleton has no MTP depths, whatever the config says
+    code, out, err = _main([*QWEN_SMALL[2:], "--model", "glm4_moe", "--model.num-nextn-predict-layers", "100000"], capsys)
+    assert code == 0, err
+
+
+def test_plan_work_grows_with_layer_kinds_not_layers_times_ranks(monkeypatch):
+    """Attack finding 1: a plan and the advice of a refusal (many layouts, each pp rank) placed
+    every param and counted every layer's activations once per layout and rank: time in layers
+    x ranks x layouts. Now each kind of param and layer is worked out once per mesh: the same
+    number of calls for 16 and for 64 layers."""
+    from mff.model import Model
+    from mff.plan import activations, build, shards
+
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(shards, "resolve_placements", counted("placements", shards.resolve_placements))
+    monkeypatch.setattr(activations, "layer_activations", counted("activations", activations.layer_activations))
+    monkeypatch.setattr(Model, "stage_keys", counted("stage_keys", Model.stage_keys))
+    monkeypatch.setattr(build, "param_shards", counted("meshes", build.param_shards))
+    seen = []
+    for layers in (16, 64):
+        calls.clear()
+        model = _model("deepseek3", num_hidden_layers=layers)
+        with pytest.raises(PlanDoesNotFit, match="needs"):
+            _plan(model, 4, ParallelConfig(pp=4), hardware="910b", seq_len=4096, batch_size=512)
+        meshes = calls.pop("meshes")  # the advice tries more device counts for the larger model: count the work per mesh
+        seen.append({k: v / meshes for k, v in calls.items()} | {"activations": calls.get("activations")})
+    assert seen[0] == seen[1] and seen[0].get("placements", 0) > 0 and "stage_keys" not in seen[0], seen
+
+
+def test_peak_by_stage_is_a_replay_in_linear_time():
+    """The moment the held activations weigh most (and its counts by stage) is the one a full
+    replay finds, for every schedule, rank and unequal stage weights: from peak_by_stage (now
+    linear in the order: the replay summed every stage at every action) and from peak_held,
+    which replays only the warm-up and one period of the steady state, so that
+    --parallel.pp-microbatches 100000000 (an order of 6e8 actions: 18 GB, killed) takes no time."""
+    import random
+    import time
+
+    from mff.plan.schedule import peak_by_stage, peak_held
+
+    def brute(actions, weight):
+        live = {s: 0 for s in weight}
+        best, best_total = dict(live), -1.0
+        for kind, s, _ in actions:
+            live[s] += 1 if kind == "F" else -1
+            total = sum(weight[t] * n for t, n in live.items())
+            if total > best_total:
+                best, best_total = dict(live), total
+        return best
+
+    rng = random.Random(0)
+    for schedule, p, v, m in [*CASES, ("interleaved-1f1b", 4, 3, 40), ("interleaved-1f1b", 2, 5, 30), ("interleaved-1f1b", 3, 2, 2)]:
+        for r in range(p):
+            for _ in range(3):
+                weight = {s * p + r: float(rng.randint(1, 1000)) for s in range(v)}
+                actions = rank_actions(schedule, p, m, v, r)
+                want = brute(actions, weight)
+                assert peak_by_stage(actions, weight) == want
+                assert peak_held(schedule, p, m, v, r, weight) == want, (schedule, p, v, m, r, weight)
+    actions = rank_actions("interleaved-1f1b", 2, 2 * 10**5, 3, 0)
+    start = time.monotonic()
+    peak_by_stage(actions, {0: 1.0, 2: 2.0, 4: 3.0})
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    assert peak_held("interleaved-1f1b", 2, 10**8, 3, 0, {0: 1.0, 2: 2.0, 4: 3.0}) == brute(
+        rank_actions("interleaved-1f1b", 2, 6, 3, 0), {0: 1.0, 2: 2.0, 4: 3.0})
+    assert peak_held("1f1b", 4, 10**9, 1, 1, {1: 1.0}) == {1: 3}
+    assert time.monotonic() - start < 1
+
+
+def test_divisors_take_milliseconds_for_any_batch():
+    """--batch-size 10**18 asked the advice for every divisor by trial division up to 10**18."""
+    import time
+
+    from mff.plan.advice import _divisors
+
+    assert _divisors(720) == [d for d in range(1, 721) if 720 % d == 0]
+    assert _divisors(1) == [1] and _divisors(13) == [1, 13]
+    start = time.monotonic()
+    big = _divisors(10**18)
+    assert time.monotonic() - start < 5
+    assert {1, 2, 10**6, 10**18 // 2, 10**18} <= set(big) and all(10**18 % d == 0 for d in big)
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5", "nan", "inf", "-inf"])
+def test_compute_efficiency_is_checked_before_use(value, capsys):
+    """Attack finding 2: --compute-efficiency 0 divided by zero (a traceback) before the (0, 1]
+    check; every value outside (0, 1] is one line naming the flag and the value, from the
+    command line and from make_plan and optimizer_seconds alike."""
+    from mff.plan.estimate import optimizer_seconds
+
+    code, out, err = _main([*QWEN_SMALL, "--compute-efficiency", value], capsys)
+    assert code == 2 and out == ""
+    assert err == f"error: --compute-efficiency {float(value)!r}: expected a fraction of the peak FLOP/s in (0, 1], e.g. 0.5\n"
+    model = _model("qwen3")
+    with pytest.raises(ValueError, match=r"^--compute-efficiency "):
+        _plan(model, 1, ParallelConfig(), seq_len=64, batch_size=4, compute_efficiency=float(value))
+    with pytest.raises(ValueError, match=r"^--compute-efficiency "):
+        optimizer_seconds([], get_device("h100"), precision="bf16", optim="adamw", ns_steps=5, efficiency=float(value))
+
+
+def test_every_float_option_refuses_nan_and_minus_inf(capsys):
+    """Attack finding 2, the other float options: each float field of the planner's config (its
+    own, the accepted training options, the model's) refuses nan and -inf in one line that
+    names it (exit code 2), before any plan is made."""
+    import typing
+
+    from mff.recipes.plan import PlanConfig, PlanOptimConfig, PlanParallelConfig
+
+    def floats(cls, prefix: str) -> list[str]:
+        hints = typing.get_type_hints(cls)
+        return [prefix + f.name for f in dataclasses.fields(cls) if hints[f.name] is float]
+
+    fields = (floats(PlanConfig, "") + floats(PlanOptimConfig, "optim.") + floats(PlanParallelConfig, "parallel.")
+              + floats(get_family("qwen3").config_cls, "model."))
+    assert "compute_efficiency" in fields and "optim.lr" in fields and "model.rms_norm_eps" in fields
+    for field in fields:
+        for value in ("nan", "-inf"):
+            code, out, err = _main([*QWEN_SMALL, f"--{field.replace('_', '-')}", value], capsys)
+            assert code == 2 and out == "" and err.count("\n") == 1, (field, value, err)
+            name = field.split(".")[-1]
+            assert name in err or name.replace("_", "-") in err, (field, err)
+
+
+def test_json_is_written_atomically_and_its_errors_name_it(capsys, tmp_path, monkeypatch):
+    """Attack finding 3: --json emptied the file, then wrote it in place (a full disk left 0
+    bytes); its errors named neither --json nor the path, with exit code 1 or 2. Now a temp file
+    beside it is renamed over it: a failed write (ENOSPC, half the text written) leaves the old
+    file as it was and no temp file, and says ``error: --json PATH: <reason>`` (exit code 2);
+    a folder, an empty name or a path under a file are refused before the plan is made."""
+    import errno
+
+    target = tmp_path / "plan.json"
+    target.write_text("old plan\n")
+    real = Path.write_text
+
+    def full_disk(self, data, *args, **kwargs):
+        real(self, data[:len(data) // 2], *args, **kwargs)  # half of it reaches the disk, then it is full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    code, out, err = _main([*QWEN_SMALL, "--json", str(target)], capsys)
+    monkeypatch.undo()
+    assert code == 2 and out == ""
+    assert err == f"error: --json {target}: no space left on device\n"
+    assert target.read_text() == "old plan\n" and list(tmp_path.iterdir()) == [target]
+    for bad, says in ((str(tmp_path), f"--json {tmp_path}: is a folder"), ("", "--json '': expected a file name"),
+                      (str(target / "p.json"), f"--json {target / 'p.json'}: {target} is not a folder")):
+        code, out, err = _main([*QWEN_SMALL, "--json", bad], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1
+        assert err.startswith(f"error: {says}"), err
+    made = tmp_path / "new" / "p.json"  # a missing folder is made (as the project's write_text_atomic does)
+    code, out, _ = _main([*QWEN_SMALL, "--json", str(made)], capsys)
+    assert code == 0 and "tokens/s per device" in out
+    assert json.loads(made.read_text())["model"]["family"] == "qwen3" and list(made.parent.iterdir()) == [made]
+
+
+def test_zero_pipeline_micro_batches_are_refused(capsys):
+    """Attack finding 4: --parallel.pp-microbatches 0 was taken as the default (``or``); it is
+    refused as the pipeline refuses it."""
+    from mff.plan.layout import resolve_layout
+
+    code, out, err = _main([*QWEN_SMALL, "--parallel.pp", "2", "--parallel.pp-microbatches", "0"], capsys)
+    assert code == 2 and out == ""
+    assert err == "error: --parallel.pp-microbatches 0: must be an integer >= 1\n"
+    model = _model("qwen3")
+    with pytest.raises(ValueError, match="--parallel.pp-microbatches 0: must be an integer >= 1"):
+        resolve_layout(model, ParallelConfig(pp=2, pp_microbatches=0), 2, _train_cfg(model, seq_len=64, batch_size=4))
+
+
+def test_messages_name_devices_and_their_articles(capsys):
+    """Attack finding 5: the mesh's refusals said WORLD_SIZE where the user typed --devices; and
+    "an B200" in the does-not-fit message."""
+    from mff.plan.build import _a
+
+    code, out, err = _main(["--devices", "7", "--parallel.pp", "2"], capsys)
+    assert code == 2 and err == "error: --devices 7 is not divisible by pp 2 x dp_replicate 1 x ep 1 x tp 1 = 2\n"
+    code, out, err = _main(["--devices", "6", "--parallel.dp-shard", "4"], capsys)
+    assert code == 2 and err == ("error: mesh dp_replicate 1 x dp_shard 4 x ep 1 x tp 1 = 4 devices, but --devices is 6\n")
+    code, out, err = _main(["--model", "deepseek3", "--devices", "1", "--hardware", "b200", "--seq-len", "4096", "--batch-size", "512"], capsys)
+    assert code == 2 and " GiB more than the 180 GiB of a B200 (HGX B200); " in err, err
+    assert [_a(d.name).split()[0] for d in DEVICES.values()] == ["an", "an", "an", "a", "an", "an"]
+    assert (_a("A100"), _a("MI300X"), _a("Gaudi 3"), _a("TPU v5p")) == ("an A100", "an MI300X", "a Gaudi 3", "a TPU v5p")
 
 
 # ------------------------------------------------------------------------------------------
@@ -468,7 +758,8 @@ def test_no_layout_of_the_device_count_fits(capsys):
     code, out, err = _main(GLM_32, capsys)
     assert code == 2 and out == ""
     m = re.search(r"; no layout of 32 devices fits: the params, grads and optimizer state alone need ([\d.]+) GiB per device even "
-                  r"sharded over all of them; at least (\d+) devices \(a lower bound: activations and working copies come on top\)\n$", err)
+                  r"sharded over all of them, more than the 64 GiB of an Atlas 800T A2 \(Ascend 910B\); at least (\d+) devices "
+                  r"\(a lower bound: activations and working copies come on top\)\n$", err)
     assert m, err
     assert "--parallel" not in err and "try" not in err
     model = mff.build("glm4_moe", get_family("glm4_moe").sizes["glm-4.5"])
@@ -477,6 +768,7 @@ def test_no_layout_of_the_device_count_fits(capsys):
     assert m.group(1) == f"{state / 32 / gib:.1f}"
     n = int(m.group(2))
     assert state / n <= 64 * gib < state / (n - 1)
+    assert f"has {sum(math.prod(s) for s in model.param_shapes().values()):,} params; no layout" in err
     assert m.group(0)[2:].split(" (a lower bound:")[0] in _readme_section()
 
 
@@ -521,10 +813,10 @@ def test_gradient_accumulation_peaks_at_the_end_of_a_backward(capsys):
     activations or working copies; with --grad-accum 2 it is the start of the last backward
     (activations, working copies, the earlier sum). Each output names its moment and the other."""
     args = [*GLM_32, "--parallel.ep", "8"]
-    code, out, err = _main([*args, "--grad-accum", "32"], capsys)
+    code, out, err = _main([*args, "--grad-accum", "32", "--show-anyway"], capsys)  # 32 devices cannot hold it: refused before planning
     assert code == 2
     assert ("at the end of each micro-batch's backward after the first of --grad-accum 32, when its gradients are held beside the sum "
-            "of the earlier ones' (params 41.1, optimizer 82.2, grads 41.1, new grads 41.1 GiB)") in err
+            "of the earlier ones' (params 41.1, optimizer 82.2, grads 41.1, new grads 41.1 GiB)") in out.splitlines()[0]
     code, out, _ = _main([*args, "--grad-accum", "32", "--show-anyway", "--json", "-"], capsys)
     mem = json.loads(out)["memory_gib"]
     assert mem["moment"].startswith("the end of each micro-batch's backward") and mem["other_moment"].startswith("the start")

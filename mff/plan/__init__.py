@@ -13,8 +13,8 @@ whole plan) and
 :mod:`~mff.plan.report` (its text).
 """
 
-from mff.plan.build import PlanDoesNotFit, make_plan
+from mff.plan.build import MAX_LAYERS, PlanDoesNotFit, check_config, make_plan
 from mff.plan.devices import DEVICES, Device, get_device
 from mff.plan.report import format_plan
 
-__all__ = ["DEVICES", "Device", "PlanDoesNotFit", "format_plan", "get_device", "make_plan"]
+__all__ = ["DEVICES", "MAX_LAYERS", "Device", "PlanDoesNotFit", "check_config", "format_plan", "get_device", "make_plan"]

@@ -49,11 +49,40 @@ workspaces, and routing imbalance (a device whose experts get more than K slots 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mff.nn.loss import default_chunk_rows
 
-__all__ = ["LayerActivations", "StageActivations", "layer_activations", "stage_activations"]
+__all__ = ["LayerActivations", "LayerKinds", "StageActivations", "layer_activations", "stage_activations"]
+
+_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+class LayerKinds:
+    """The skeleton's decoder blocks (MTP depths included) grouped by kind: blocks whose params
+    have the same names and shapes (a dense and a MoE layer, say) are counted alike, so a plan
+    computes each kind's activations once, not once per layer and pp rank. ``rep[i]`` is the
+    first block of block i's kind; :meth:`activations` memoises :func:`layer_activations` per
+    kind."""
+
+    def __init__(self, model):
+        sig: dict[int, list] = {}
+        for path, shape in model.param_shapes().items():
+            m = _BLOCK.match(path)
+            if m:
+                sig.setdefault(int(m.group(1)), []).append((m.group(2), tuple(shape)))
+        first: dict[tuple, int] = {}
+        self.rep = {i: first.setdefault(tuple(v), i) for i, v in sorted(sig.items())}
+        self.blocks = model.skeleton.model.layers
+        self._memo: dict[tuple[int, int, int], LayerActivations] = {}
+
+    def activations(self, i: int, c: int, tp: int) -> LayerActivations:
+        """:func:`layer_activations` of block ``i`` (computed once per kind)."""
+        key = (self.rep.get(i, i), c, tp)
+        if key not in self._memo:
+            self._memo[key] = layer_activations(self.blocks[key[0]], c, tp)
+        return self._memo[key]
 
 
 @dataclass(frozen=True)
@@ -157,12 +186,13 @@ class StageActivations:
 
 
 def stage_activations(model, layers: range, first: bool, last: bool, c: int, tp: int = 1, ac: str = "none",
-                      received: bool = False, sent: bool = False) -> StageActivations:
+                      received: bool = False, sent: bool = False, kinds: LayerKinds | None = None) -> StageActivations:
     """:class:`StageActivations` of the stage of ``model`` holding decoder ``layers`` (with the
     embedding when ``first``; the final norm, head and MTP depths when ``last``; ``received``:
     its input comes from another stage; ``sent``: its output goes to another, which the pipeline
     keeps until the micro-batch's backward), computing in ``c``-byte activations with heads split
-    over ``tp`` and activation checkpointing ``ac`` (none, full, selective).
+    over ``tp`` and activation checkpointing ``ac`` (none, full, selective). ``kinds``: the
+    model's :class:`LayerKinds`, to compute each kind of layer once (a plan's many stages).
 
     Raises:
         ValueError: an unknown ``ac``.
@@ -174,14 +204,16 @@ def stage_activations(model, layers: range, first: bool, last: bool, c: int, tp:
     L = model.config.num_hidden_layers
     D = skel.model.norm.weight.shape[0]
     rotary = 2 * len(skel._inv_freq)
-    acts = [layer_activations(blocks[i], c, tp) for i in layers]
+    one = kinds.activations if kinds is not None else (lambda i, c, tp: layer_activations(blocks[i], c, tp))
+    acts = [one(i, c, tp) for i in layers]
     extra = 0.0
     per_mb = transient = 0.0
     if last:
-        V = -(-model.param_shapes()["lm_head.weight" if "lm_head.weight" in model.param_shapes() else "model.embed_tokens.weight"][0] // tp)
+        shapes = model.param_shapes()
+        V = -(-shapes["lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"][0] // tp)
         heads = 1
         for k in range(L, len(blocks)):  # MTP depths: enorm, hnorm, eh_proj's input, the block, shared_head.norm
-            acts.append(layer_activations(blocks[k], c, tp))
+            acts.append(one(k, c, tp))
             extra += 3 * _norm(D, c) + 2 * c * D
             heads += 1
         extra += _norm(D, c) + heads * c * D

@@ -49,9 +49,22 @@ from mff.plan.comm import CommRow, comm_seconds
 from mff.plan.devices import Device
 from mff.plan.shards import ParamShard
 
-__all__ = ["OVERLAPS", "Estimate", "stage_flops_per_token", "optimizer_seconds", "estimate_step"]
+__all__ = ["OVERLAPS", "Estimate", "check_efficiency", "check_overlap", "stage_flops_per_token", "optimizer_seconds", "estimate_step"]
 
 OVERLAPS = ("none", "fsdp", "all")
+
+
+def check_efficiency(efficiency: float) -> None:
+    """Raise ValueError (one line naming ``--compute-efficiency`` and its value) unless
+    ``efficiency`` is a number in (0, 1]: not nan, inf, 0, negative or above 1."""
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
+        raise ValueError(f"--compute-efficiency {efficiency!r}: expected a fraction of the peak FLOP/s in (0, 1], e.g. 0.5")
+
+
+def check_overlap(overlap: str) -> None:
+    """Raise ValueError (one line) unless ``overlap`` is one of :data:`OVERLAPS`."""
+    if overlap not in OVERLAPS:
+        raise ValueError(f"--overlap {overlap!r}: expected one of {', '.join(OVERLAPS)}")
 
 
 def stage_flops_per_token(model, stages: Sequence[range], seq_len: int) -> list[tuple[float, float]]:
@@ -70,7 +83,9 @@ def stage_flops_per_token(model, stages: Sequence[range], seq_len: int) -> list[
 
 def optimizer_seconds(shards: Sequence[ParamShard], device: Device, *, precision: str, optim: str, ns_steps: int,
                       efficiency: float) -> float:
-    """Seconds of one optimizer update on a device holding ``shards`` (module docstring)."""
+    """Seconds of one optimizer update on a device holding ``shards`` (module docstring).
+    Raises ValueError for an ``efficiency`` outside (0, 1] (:func:`check_efficiency`)."""
+    check_efficiency(efficiency)
     storage = 2 if precision == "bf16" else 4
     moved = 0.0
     flops = 0.0
@@ -140,10 +155,8 @@ def estimate_step(*, rank_flops: Sequence[float], rank_rows: Sequence[Sequence[C
     Raises:
         ValueError: an unknown ``overlap``, an efficiency outside (0, 1].
     """
-    if overlap not in OVERLAPS:
-        raise ValueError(f"--overlap {overlap!r}: expected one of {', '.join(OVERLAPS)}")
-    if not 0 < efficiency <= 1:
-        raise ValueError(f"--compute-efficiency {efficiency}: must be in (0, 1]")
+    check_overlap(overlap)
+    check_efficiency(efficiency)
     n_mb = micro_batches * passes
     per_rank = []
     for r, (f, rows) in enumerate(zip(rank_flops, rank_rows)):

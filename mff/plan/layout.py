@@ -16,12 +16,39 @@ accept (and the planner refuses what they refuse, with the same messages).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from mff.parallel.mesh import MESH_AXES, ParallelConfig, mesh_shape
 from mff.parallel.pp_layout import StageLayout
 
-__all__ = ["Layout", "resolve_layout"]
+__all__ = ["Layout", "check_devices", "check_mesh", "devices_message", "resolve_layout"]
+
+
+def check_devices(devices: int) -> None:
+    """Raise ValueError (one line naming ``--devices``) unless ``devices`` is an integer >= 1."""
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"--devices {devices!r}: must be an integer >= 1")
+
+
+def devices_message(message: str) -> str:
+    """A refusal of :func:`mff.parallel.mesh_shape` in the planner's words: the device count it
+    calls ``WORLD_SIZE`` (and its processes) is what the planner's user gives as ``--devices``."""
+    message = re.sub(r"\bWORLD_SIZE\b", "--devices", message)
+    return message.replace(" processes, but --devices", " devices, but --devices")
+
+
+def check_mesh(parallel: ParallelConfig, devices: int) -> tuple[int, int, int, int]:
+    """:func:`mff.parallel.mesh_shape` of ``devices`` devices (``dp_replicate, dp_shard, ep,
+    tp``), its refusals naming ``--devices`` (:func:`devices_message`). Needs no model.
+
+    Raises:
+        ValueError: a device count < 1, a mesh the run refuses (one line)."""
+    check_devices(devices)
+    try:
+        return mesh_shape(parallel, devices)
+    except ValueError as e:  # the run's message names WORLD_SIZE, which the planner's user gives as --devices
+        raise ValueError(devices_message(str(e))) from None
 
 
 @dataclass(frozen=True)
@@ -71,9 +98,7 @@ def resolve_layout(model, parallel: ParallelConfig, devices: int, train_cfg) -> 
     """
     from mff.train.loop import check_train_config
 
-    if not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"--devices {devices!r}: must be an integer >= 1")
-    shape = mesh_shape(parallel, devices)
+    shape = check_mesh(parallel, devices)
     sizes = {"pp": parallel.pp, **dict(zip(MESH_AXES, shape))}
     dp = shape[0] * shape[1] * shape[2]
     check_train_config(dataclasses.replace(train_cfg, parallel=parallel), model, dp)
@@ -85,7 +110,7 @@ def resolve_layout(model, parallel: ParallelConfig, devices: int, train_cfg) -> 
     from mff.train.pipeline import plan_stages
 
     stages = plan_stages(model, parallel, train_cfg.seq_len)
-    m = parallel.pp_microbatches or stages.num_stages
+    m = parallel.pp_microbatches if parallel.pp_microbatches is not None else stages.num_stages  # 0 is refused, not the default
     check_microbatches(parallel.pp_schedule, m, parallel.pp)
     if rows % m:
         raise ValueError(f"--parallel.pp-microbatches {m} does not divide the {rows} rows each pipeline gets per pass "

@@ -34,7 +34,10 @@ torch's own.
 
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "rank_actions", "in_flight", "bubble_fraction", "peak_by_stage"]
+from collections.abc import Iterator
+from itertools import islice
+
+__all__ = ["SCHEDULES", "rank_actions", "in_flight", "bubble_fraction", "peak_by_stage", "peak_held"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
@@ -62,36 +65,59 @@ def rank_actions(schedule: str, p: int, m: int, v: int = 1, r: int = 0) -> list[
             one-stage schedule.
     """
     _check(schedule, p, m, v, r)
+    return list(_actions(schedule, p, m, v, r))
+
+
+def _actions(schedule: str, p: int, m: int, v: int, r: int) -> Iterator[tuple[str, int, int]]:
+    """:func:`rank_actions` one at a time (unchecked)."""
     if schedule == "gpipe":
-        return [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
+        yield from (("F", r, i) for i in range(m))
+        yield from (("B", r, i) for i in range(m))
+        return
     if schedule == "1f1b":
         w = min(m, p - r)
-        out = [("F", r, i) for i in range(w)]
+        yield from (("F", r, i) for i in range(w))
         for i in range(m - w):
-            out += [("B", r, i), ("F", r, w + i)]
-        return out + [("B", r, i) for i in range(m - w, m)]
+            yield ("B", r, i)
+            yield ("F", r, w + i)
+        yield from (("B", r, i) for i in range(m - w, m))
+        return
     w, q = _warmup(p, m, v, r)
     f_next, b_next = [0] * v, [0] * v
-    out = []
 
-    def fwd(k: int) -> None:
+    def fwd(k: int) -> tuple[str, int, int]:
         s = (k // q) % v
-        out.append(("F", s * p + r, f_next[s]))
         f_next[s] += 1
+        return ("F", s * p + r, f_next[s] - 1)
 
-    def bwd(k: int) -> None:
+    def bwd(k: int) -> tuple[str, int, int]:
         s = v - 1 - (k // q) % v
-        out.append(("B", s * p + r, b_next[s]))
         b_next[s] += 1
+        return ("B", s * p + r, b_next[s] - 1)
 
     for k in range(w):
-        fwd(k)
+        yield fwd(k)
     for k in range(v * m - w):
-        fwd(w + k)
-        bwd(k)
+        yield fwd(w + k)
+        yield bwd(k)
     for k in range(v * m - w, v * m):
-        bwd(k)
-    return out
+        yield bwd(k)
+
+
+def peak_held(schedule: str, p: int, m: int, v: int, r: int, weight: dict[int, float]) -> dict[int, int]:
+    """:func:`peak_by_stage` of pp rank ``r``'s order, in time and memory independent of ``m``
+    for long orders: one stage a rank holds :func:`in_flight` micro-batches at its peak; under
+    interleaved 1F1B only the warm-up and the first ``q v`` pairs of the steady state are
+    replayed. That is enough: the warm-up only adds; in the steady state the k-th pair's forward
+    is the rank's (w + k)-th, its backward the k-th, and both cycle through the rank's stages in
+    blocks of q, so after ``q v`` more pairs every stage has q more forwards and q more
+    backwards and the micro-batches held by stage repeat; a backward never raises the total, and
+    the last backwards only lower it. Raises ValueError as :func:`rank_actions`."""
+    _check(schedule, p, m, v, r)
+    if v == 1:
+        return {r: in_flight(schedule, p, m, v, r)}
+    w, q = _warmup(p, m, v, r)
+    return peak_by_stage(list(islice(_actions(schedule, p, m, v, r), w + 2 * min(q * v, v * m - w))), weight)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int = 1, r: int = 0) -> int:
@@ -109,15 +135,18 @@ def in_flight(schedule: str, p: int, m: int, v: int = 1, r: int = 0) -> int:
 def peak_by_stage(actions: list[tuple[str, int, int]], weight: dict[int, float]) -> dict[int, int]:
     """How many micro-batches of each stage are held at the moment the held activations weigh
     most, ``weight[stage]`` being one micro-batch's activations of that stage (a plain replay of
-    ``actions``: a forward adds its micro-batch, a backward frees it)."""
+    ``actions``: a forward adds its micro-batch, a backward frees it; the first such moment).
+    Time linear in the actions: the running total is kept, and the counts rebuilt once for the
+    moment found."""
+    total, best_total, best_at = 0.0, 0.0, -1
+    for k, (kind, s, _) in enumerate(actions):
+        total += weight[s] if kind == "F" else -weight[s]
+        if total > best_total or best_at < 0:
+            best_total, best_at = total, k
     live = {s: 0 for s in weight}
-    best, best_total = dict(live), -1.0
-    for kind, s, _ in actions:
+    for kind, s, _ in actions[:best_at + 1]:
         live[s] += 1 if kind == "F" else -1
-        total = sum(weight[t] * n for t, n in live.items())
-        if total > best_total:
-            best, best_total = dict(live), total
-    return best
+    return live
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:

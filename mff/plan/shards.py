@@ -18,6 +18,7 @@ experts, its ``ep`` split (the ``expert`` dim), as :func:`mff.parallel.gather.ga
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -83,10 +84,25 @@ class ParamShard:
     matrix: bool
 
 
+_LAYER = re.compile(r"^model\.layers\.\d+\.")
+
+
+def _index_free(patterns) -> bool:
+    """True when no pattern can tell one layer index from another (no digit in it: ``*`` and
+    ``**`` match every index alike), so params of equal shape whose paths differ only in their
+    ``model.layers.{i}`` index resolve alike."""
+    return not any(re.search(r"\d", p) for p in patterns)
+
+
 def param_shards(model, sizes: Mapping[str, int], axis_map: AxisMap = DEFAULT_AXIS_MAP,
                  adamw_patterns: Sequence[str] = DEFAULT_ADAMW_PATTERNS, paths: Sequence[str] | None = None) -> dict[str, ParamShard]:
     """:class:`ParamShard` of each param of ``model`` (an :class:`mff.model.Model`; only
     ``paths`` when given) on a mesh of ``sizes``.
+
+    The placements and flags of a param are resolved once per kind: params whose paths differ
+    only in the decoder layer index (``model.layers.{i}``) and whose shapes are equal share them
+    when no pattern of the sharding table, the frozen and fp32 lists or ``adamw_patterns`` names
+    an index, so the time grows with the param count, not with it times the table's rows.
 
     Raises:
         ValueError: as :func:`mff.parallel.sharding.resolve_placements` (a dim that does not
@@ -95,18 +111,24 @@ def param_shards(model, sizes: Mapping[str, int], axis_map: AxisMap = DEFAULT_AX
     mesh = MeshSizes(sizes)
     table = model.sharding_table
     shapes = model.param_shapes()
+    family = getattr(model, "family", None)
+    patterns = [p for p, _ in table] + list(adamw_patterns) + list(getattr(family, "frozen_params", ())) + list(getattr(family, "fp32_params", ()))
+    share = _index_free(patterns)
+    kinds: dict[tuple, tuple] = {}
     out = {}
     for path in (paths if paths is not None else shapes):
         shape = tuple(shapes[path])
-        placements = resolve_placements(path, shape, table, mesh, axis_map)
-        hit = first_match(path, table)
-        keep = {"tp"} | ({"ep"} if hit is not None and "expert" in hit[1] else set())
-        data = [Replicate() if axis in DATA_AXES and axis not in keep else p for axis, p in zip(MESH_AXES, placements)]
-        mine = local_shape(shape, placements, mesh.shape)
-        out[path] = ParamShard(
-            path=path, shape=shape, local_shape=mine, local=math.prod(mine),
-            gathered=math.prod(local_shape(shape, data, mesh.shape)),
-            trainable=model.is_trainable(path), fp32=model.is_fp32(path),
-            matrix=len(shape) >= 2 and not any(matches(p, path) for p in adamw_patterns),
-        )
+        key = (_LAYER.sub("model.layers.#.", path), shape) if share else (path, shape)
+        got = kinds.get(key)
+        if got is None:
+            placements = resolve_placements(path, shape, table, mesh, axis_map)
+            hit = first_match(path, table)
+            keep = {"tp"} | ({"ep"} if hit is not None and "expert" in hit[1] else set())
+            data = [Replicate() if axis in DATA_AXES and axis not in keep else p for axis, p in zip(MESH_AXES, placements)]
+            mine = local_shape(shape, placements, mesh.shape)
+            got = kinds[key] = (mine, math.prod(mine), math.prod(local_shape(shape, data, mesh.shape)), model.is_trainable(path),
+                                model.is_fp32(path), len(shape) >= 2 and not any(matches(p, path) for p in adamw_patterns))
+        mine, local, gathered, trainable, fp32, matrix = got
+        out[path] = ParamShard(path=path, shape=shape, local_shape=mine, local=local, gathered=gathered, trainable=trainable,
+                               fp32=fp32, matrix=matrix)
     return out

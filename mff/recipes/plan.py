@@ -14,7 +14,12 @@ same as one JSON object. A layout the recipes would refuse is refused with their
 layout whose most loaded device needs more memory than the device has is refused (exit code 2)
 saying by how much, at which moment of the step, and which single change of the options fits
 (each tried on paper), or that no layout of that device count can fit and at least how many
-devices it takes; ``--show-anyway`` prints the whole plan all the same.
+devices it takes; ``--show-anyway`` prints the whole plan all the same. The last refusal comes
+first, before the model's skeleton is built, from skeletons of a few layers (a million layers
+are refused in seconds); a config of more than :data:`mff.plan.MAX_LAYERS` layers is refused.
+Every option is checked before it is used (one line ``error: ...``, exit code 2), and ``--json``
+is written through a temp file renamed over it (``error: --json PATH: <reason>`` when it
+cannot be, leaving nothing behind).
 
 What the planner reads: --model / --size / --model.<field> (the shapes), --devices, --hardware,
 --seq-len, --batch-size, --grad-accum, --precision, --ac, --optim.name, --optim.muon-ns-steps,
@@ -31,13 +36,14 @@ import json
 import sys
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Generic, Literal, TypeVar
 
 import tyro
 
 from mff.optim import OptimConfig
 from mff.parallel import ParallelConfig
-from mff.plan import format_plan, make_plan
+from mff.plan import format_plan, get_device, make_plan
 from mff.recipes.common import parse_model_args, run_recipe_main
 
 __all__ = ["PlanConfig", "PlanOptimConfig", "PlanParallelConfig", "main"]
@@ -112,21 +118,64 @@ def _train_config(cfg: PlanConfig):
                        precision=cfg.precision, ac=cfg.ac, optim=cfg.optim, parallel=cfg.parallel)
 
 
-def run(cfg: PlanConfig, family: str, size: str) -> int:
-    from mff.models import build
+def _check_json(path: str | None) -> None:
+    """Refuse a ``--json`` value that names no file before the plan is made (one line naming
+    the flag and the value)."""
+    if path is None or path == "-":
+        return
+    where = Path(path)
+    if not path.strip():
+        raise ValueError(f"--json {path!r}: expected a file name (or - for standard output)")
+    if where.is_dir():
+        raise ValueError(f"--json {path}: is a folder; expected a file name (or - for standard output)")
+    parent = next((q for q in where.absolute().parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--json {path}: {parent} is not a folder")
 
+
+def _write_json(path: str, plan: dict) -> None:
+    """Write ``plan`` to ``path`` through a temp file beside it renamed over it (never a half-
+    written or emptied file; the folder is made when missing).
+
+    Raises:
+        ValueError: ``--json PATH: <reason>`` when the file cannot be written (a full disk, no
+            permission, ...); nothing is left behind.
+    """
+    from mff.ckpt.tokenizer_files import write_text_atomic
+
+    try:
+        write_text_atomic(path, json.dumps(plan, indent=1) + "\n")
+    except OSError as e:
+        reason = e.strerror or str(e) or type(e).__name__
+        raise ValueError(f"--json {path}: {reason[:1].lower()}{reason[1:]}") from None
+
+
+def run(cfg: PlanConfig, family: str, size: str) -> int:
+    from mff.models import build, get_family
+    from mff.plan import check_config
+    from mff.plan.estimate import check_efficiency, check_overlap
+    from mff.plan.layout import check_mesh
+
+    # options first, then the config's size from a few layers (milliseconds), and only then its skeleton
+    check_efficiency(cfg.compute_efficiency)
+    check_overlap(cfg.overlap)
+    _check_json(cfg.json)
+    get_device(cfg.hardware)
+    check_mesh(cfg.parallel, cfg.devices)
+    train_cfg = _train_config(cfg)
+    check_config(get_family(family), size, cfg.model, hardware=cfg.hardware, devices=cfg.devices, train_cfg=train_cfg,
+                 refuse=not cfg.show_anyway)
     model = build(family, cfg.model)  # a meta skeleton: no storage
     plan = make_plan(model, family=family, size=size, hardware=cfg.hardware, devices=cfg.devices, parallel=cfg.parallel,
-                     train_cfg=_train_config(cfg), compute_efficiency=cfg.compute_efficiency, overlap=cfg.overlap,
+                     train_cfg=train_cfg, compute_efficiency=cfg.compute_efficiency, overlap=cfg.overlap,
                      refuse=not cfg.show_anyway)
     code = 0 if plan["memory_gib"]["fits"] else 2
     if cfg.json == "-":
         print(json.dumps(plan, indent=1))
         return code
-    print(format_plan(plan))
     if cfg.json is not None:
-        with open(cfg.json, "w") as f:
-            json.dump(plan, f, indent=1)
+        _write_json(cfg.json, plan)
+    print(format_plan(plan))
     return code
 
 
