@@ -177,6 +177,20 @@ def _state_paths(state: dict):
                     yield path, slot
 
 
+def counted_result(mesh) -> dict:
+    """The result dict of a worker: the mesh, and ``ep_dispatches``, counted from now on (the
+    tests check that an ep layout really sends tokens to their experts' ranks)."""
+    result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "ep_dispatches": 0}
+    dispatched = moe._dispatched_experts
+
+    def counting(*args):
+        result["ep_dispatches"] += 1
+        return dispatched(*args)
+
+    moe._dispatched_experts = counting
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -191,14 +205,7 @@ def main() -> None:
     torch.set_num_threads(1)
     info = init_distributed("cpu", 120.0)
     mesh = build_mesh("cpu", ParallelConfig(dp_replicate=a.dp_replicate, dp_shard=a.dp_shard, tp=a.tp, ep=a.ep), info.world_size)
-    result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "ep_dispatches": 0}
-    dispatched = moe._dispatched_experts
-
-    def counting(*args):  # the test checks that an ep layout really sends tokens to their experts' ranks
-        result["ep_dispatches"] += 1
-        return dispatched(*args)
-
-    moe._dispatched_experts = counting
+    result = counted_result(mesh)
     for family in a.families.split(","):
         result[family] = run(family, mesh, a.micro_rows)
         if a.lora and (a.lora_families is None or family in a.lora_families.split(",")):

@@ -25,7 +25,6 @@ from torch.distributed.tensor import Shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mff.nn.moe as moe  # noqa: E402
 from mff.backend import init_distributed  # noqa: E402
 from mff.optim import OptimConfig, init_state  # noqa: E402
 from mff.parallel import ParallelConfig, build_mesh, data_parallel_rank, data_parallel_size  # noqa: E402
@@ -117,14 +116,7 @@ def main() -> None:
     info = init_distributed("cpu", 120.0)
     parallel = ParallelConfig(pp=a.pp, pp_schedule=a.schedule, pp_stages_per_rank=a.stages_per_rank, dp_shard=a.dp_shard, ep=a.ep, tp=a.tp)
     mesh = build_mesh("cpu", parallel, info.world_size)
-    result = {"mesh": dict(zip(mesh.mesh_dim_names, mesh.shape)), "ep_dispatches": 0}
-    dispatched = moe._dispatched_experts
-
-    def counting(*args):  # the test checks that an ep layout really sends tokens to their experts' ranks
-        result["ep_dispatches"] += 1
-        return dispatched(*args)
-
-    moe._dispatched_experts = counting
+    result = layout_worker.counted_result(mesh)
     for family in a.families.split(","):
         result[family] = run(family, mesh, parallel, a.micro_rows)
     torch.save(result, f"{a.out}.rank{info.rank}")
