@@ -150,6 +150,7 @@ class Pipeline:
         self.layout = plan_stages(model, parallel, seq_len)
         self.microbatches = parallel.pp_microbatches if parallel.pp_microbatches is not None else self.layout.num_stages
         check_microbatches(parallel.pp_schedule, self.microbatches, parallel.pp)
+        self.rows = rows
         if rows % self.microbatches:
             raise ValueError(f"--parallel.pp-microbatches {self.microbatches} does not divide the {rows} rows each pipeline gets per "
                              "step (--batch-size / data-parallel ranks / --grad-accum)")
@@ -232,13 +233,17 @@ class Pipeline:
         st.terms = terms.detach() if st.terms is None else st.terms + terms.detach()
         return terms.sum()
 
-    def _run(self, micro_batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
-        """Every chunk of ``micro_batches`` (pp micro-batches each) through the schedule."""
-        m = self.microbatches
-        for i in range(0, len(micro_batches), m):
-            chunk = micro_batches[i:i + m]
-            batch = {k: torch.cat([mb[k] for mb in chunk]) for k in chunk[0]}
-            with collective(f"pipeline step (micro-batches {i + 1}-{i + len(chunk)})"), local_grads():
+    def _run(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Each batch (a grad-accumulation chunk of the rows given at construction) through the
+        schedule, which cuts it into the pipeline's micro-batches.
+
+        Raises:
+            ValueError: a batch of another row count (the stages' shapes are static)."""
+        for i, batch in enumerate(batches):
+            rows = batch["input_ids"].shape[0]
+            if rows != self.rows:
+                raise ValueError(f"the pipeline was built for batches of {self.rows} rows, got {rows}")
+            with collective(f"pipeline step (pass {i + 1}/{len(batches)})"), local_grads():
                 self.schedule.step(target=batch["labels"], return_outputs=False, **batch)
 
     @torch.no_grad()
@@ -265,16 +270,6 @@ class Pipeline:
                 carry = out
         return None
 
-    def _split(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        """Each batch cut into this pipeline's micro-batches (rows / m each), in order."""
-        out = []
-        for b in batches:
-            rows = b["input_ids"].shape[0]
-            if rows % self.microbatches:
-                raise ValueError(f"a batch of {rows} rows does not split into --parallel.pp-microbatches {self.microbatches}")
-            out.extend({k: v for k, v in zip(b, vs)} for vs in zip(*(torch.tensor_split(v, self.microbatches) for v in b.values())))
-        return out
-
     # ---- the step --------------------------------------------------------------------
     def step(self, params: dict[str, torch.Tensor], opt_state: dict, batches: Sequence[Mapping[str, torch.Tensor]], lr: float,
              optim: OptimConfig, bias_update_rate: float = 0.0) -> StepStats:
@@ -286,12 +281,11 @@ class Pipeline:
             NonFiniteError: a non-finite loss or grad norm (checked before anything is updated).
         """
         dp = data_parallel_group(self.mesh)
-        micro = self._split(batches)
-        counts = global_counts(self.model, micro, dp)
+        counts = global_counts(self.model, batches, dp)  # the counts add up over rows: the batches' are the micro-batches' sum
         keep = {k: _kept_axes(self.model, k) for k in params}
         leaves = {k: gather_for_step(v, keep[k]) for k, v in params.items()}
         self._state = _Step(params=compute_params(self.model, leaves, self.precision), counts=counts)
-        self._run(micro)
+        self._run(batches)
         st = self._state
         self._state = _Step()
         names = [k for k, v in params.items() if v.requires_grad]
@@ -317,7 +311,7 @@ class Pipeline:
             apply_update(optim, params, grads, opt_state, lr)
         loads = self._reduce_loads(st.loads, dp)
         update_expert_bias(params, loads, bias_update_rate)
-        tokens = torch.tensor(sum(mb["input_ids"].numel() for mb in micro), device=self.device)
+        tokens = torch.tensor(sum(b["input_ids"].numel() for b in batches), device=self.device)
         _all_reduce(tokens, dp)
         return StepStats(loss=loss, losses=losses, grad_norm=norm, tokens=int(tokens), expert_load=loads)
 
