@@ -48,7 +48,8 @@ CASES = [
     (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
     (["--device", "garbage"], "error: --device 'garbage' is not a device; expected one of auto, cpu, cuda, npu"),
     (["--parallel.timeout-s", "0"], "--parallel.timeout-s"),
-    (["--parallel.timeout-s", "0.01"], "timeout 0.01 s must be a finite number >= 1 second"),
+    (["--parallel.timeout-s", "0.01"], "--parallel.timeout-s 0.01: must be a finite number >= 1 second"),
+    (["--parallel.timeout-s", "inf"], "--parallel.timeout-s inf: must be a finite number >= 1 second"),
     (["--seq-len", "16"], "was trained with --seq-len 32; this run has --seq-len 16"),
 ]
 

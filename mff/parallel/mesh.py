@@ -86,8 +86,8 @@ def mesh_shape(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int, int
         size = getattr(cfg, name)
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"--parallel.{name.replace('_', '-')} {size!r}: must be an integer >= 1")
-    if not cfg.timeout_s >= 1:
-        raise ValueError(f"--parallel.timeout-s {cfg.timeout_s}: must be >= 1 second")
+    if not (cfg.timeout_s >= 1 and cfg.timeout_s != float("inf")):
+        raise ValueError(f"--parallel.timeout-s {cfg.timeout_s}: must be a finite number >= 1 second")
     dp_shard = cfg.dp_shard
     rest = cfg.pp * cfg.dp_replicate * cfg.ep * cfg.tp
     if dp_shard == -1:
