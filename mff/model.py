@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -445,6 +446,28 @@ class Model:
                 "valid": torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
                 "next_pos": torch.zeros(batch_size, dtype=torch.int64, device=device), "layers": layers}
 
+    def init_paged_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+                         device: torch.device | str = "cpu") -> dict[str, Any]:
+        """An empty paged KV cache (:mod:`mff.nn.paged`): ``{"layers": [per layer {name: pool
+        [num_blocks, block_size, ...]}]}`` (GQA ``k``/``v`` [.., Hkv, Dh], MLA ``c`` [.., C] and
+        ``k_rot`` [.., R]). A forward over it adds ``"paged"``: the step's
+        :class:`mff.nn.paged.PagedBatch` (the serving engine, :mod:`mff.serve.engine`, builds it).
+
+        Raises:
+            ValueError: ``num_blocks`` < 2 or ``block_size`` < 1.
+        """
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 2 and block_size={block_size} >= 1")
+        layers = [{k: torch.zeros(shape, dtype=dtype, device=device) for k, shape in shapes.items()}
+                  for shapes in self.skeleton.cache_shapes(num_blocks, block_size)]
+        return {"layers": layers}
+
+    def cache_bytes_per_token(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of KV cache one token takes over all layers (GQA: 2 x Hkv x Dh per layer; MLA:
+        kv_lora_rank + qk_rope_head_dim per layer)."""
+        per = sum(math.prod(shape[2:]) for shapes in self.skeleton.cache_shapes(1, 1) for shape in shapes.values())
+        return per * torch.empty((), dtype=dtype).element_size()
+
     def generate(self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Token ids [B, T + n] continuing ``input_ids``; see :func:`mff.generate.generate` for the options."""
         from mff.generate import generate
@@ -459,7 +482,7 @@ class Model:
         *,
         target_counts: Mapping[str, torch.Tensor] | None = None,
         check: bool = True,
-        logits: bool | str = True,
+        logits: bool | str | torch.Tensor = True,
     ) -> Output:
         """Run the model on ``batch`` with ``params``.
 
@@ -482,6 +505,8 @@ class Model:
                 terms are computed chunk by chunk from the hidden states
                 (:func:`mff.nn.loss.linear_cross_entropy_sum`), so no [B, T, V] tensor exists.
                 ``"last"``: ``Output.logits`` is the last position's only, [B, 1, V] (a prefill).
+                An int64 [K] tensor of positions: those positions' logits only, [B, K, V] (the
+                ends of the sequences packed in a paged batch).
         Returns:
             :class:`Output`.
         Raises:
@@ -492,8 +517,11 @@ class Model:
                 ``target_counts`` lacking a term of this batch; a full cache.
             RuntimeError: missing or unexpected param paths (``functional_call(strict=True)``).
         """
-        if logits not in (True, False, "last"):
-            raise ValueError(f"logits={logits!r}; expected True, False or 'last'")
+        if isinstance(logits, torch.Tensor):
+            if logits.dtype != torch.int64 or logits.dim() != 1:
+                raise ValueError(f"logits positions must be an int64 [K] tensor, got {logits.dtype} {tuple(logits.shape)}")
+        elif logits not in (True, False, "last"):
+            raise ValueError(f"logits={logits!r}; expected True, False, 'last' or an int64 [K] tensor of positions")
         if check:
             self._check_inputs(params, batch, target_counts)
         params = self._skeleton_params(params)

@@ -330,7 +330,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         head = self._head_weight()
         h_main = self.model.norm(h)
         with_loss = labels is not None and cache is None
-        if return_logits == "last":  # only the last position's logits (a prefill that samples or scores from it)
+        if isinstance(return_logits, torch.Tensor):  # only these positions' logits (a paged batch's sequence ends)
+            logits = head_logits(h_main[:, return_logits], head)
+        elif return_logits == "last":  # only the last position's logits (a prefill that samples or scores from it)
             logits = head_logits(h_main[:, -1:], head)
         else:
             logits = head_logits(h_main, head) if return_logits or not with_loss else None

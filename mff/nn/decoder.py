@@ -79,6 +79,11 @@ def prepare_positions_and_mask(input_ids, position_ids, document_ids, attention_
             pad_mask = cache_causal_mask(valid, 0, T)
             mask = pad_mask if mask is None else mask & pad_mask
         return position_ids, mask, None, None
+    if "paged" in cache:  # a paged cache (mff.nn.paged): the batch is packed, its layout computed by the engine
+        paged = cache["paged"]
+        if input_ids.shape != paged.position_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} do not match the paged batch's {tuple(paged.position_ids.shape)} tokens")
+        return paged.position_ids, paged.mask, paged, cache
     S = cache["valid"].shape[1]
     new_cache = dict(cache)
     if "offset" in cache:
@@ -210,7 +215,9 @@ class CausalLM(nn.Module):
         h, expert_load, stats = self._layers(h, cos, sin, mask, range(len(self.model.layers)), layer_kv, slots)
         head = self._head()
         h = self.model.norm(h)
-        if return_logits == "last":  # only the last position's logits (a prefill that samples or scores from it)
+        if isinstance(return_logits, torch.Tensor):  # only these positions' logits (a paged batch's sequence ends)
+            logits = head_logits(h[:, return_logits], head)
+        elif return_logits == "last":  # only the last position's logits (a prefill that samples or scores from it)
             logits = head_logits(h[:, -1:], head)
         else:
             logits = head_logits(h, head) if return_logits or labels is None else None

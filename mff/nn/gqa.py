@@ -23,6 +23,7 @@ from torch import nn
 
 from mff.nn.attention import causal_attention
 from mff.nn.layers import Linear, RMSNorm
+from mff.nn.paged import cache_update, from_rows, to_rows
 from mff.nn.rope import apply_rope
 from mff.parallel.tp import tp_shard
 
@@ -72,7 +73,8 @@ class GQA(nn.Module):
                 kv: dict | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """``kv``: this layer's cache ``{"k", "v": [B, S, Hkv, Dh]}``; the new keys and values are
         written at ``slots`` (int64 [T], in place) and attention runs over all S slots with
-        ``mask`` [B, 1, T, S]."""
+        ``mask`` [B, 1, T, S]. With a paged cache (pools ``[num_blocks, block_size, Hkv, Dh]``)
+        ``slots`` is a :class:`mff.nn.paged.PagedBatch` and ``x`` the packed tokens [1, N, D]."""
         B, T, _ = x_BTD.shape
         # -1: the heads of this rank (all of them without tensor parallelism)
         q = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
@@ -86,8 +88,7 @@ class GQA(nn.Module):
             if kv["k"].shape[2] != k.shape[2]:
                 raise NotImplementedError(f"a KV cache of {kv['k'].shape[2]} KV heads, but this rank computes {k.shape[2]}: "
                                           "generation with a GQA KV cache under tensor parallelism is not supported")
-            kv["k"].index_copy_(1, slots, k.to(kv["k"].dtype))
-            kv["v"].index_copy_(1, slots, v.to(kv["v"].dtype))
-            k, v = kv["k"], kv["v"]
-        o = causal_attention(q, k, v, self.head_dim ** -0.5, mask)
+            k, v = cache_update(kv, slots, k=k, v=v)
+            q = to_rows(q, slots)
+        o = from_rows(causal_attention(q, k, v, self.head_dim ** -0.5, mask), slots)
         return self.o_proj(o.reshape(B, T, -1))

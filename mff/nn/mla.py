@@ -33,6 +33,7 @@ from torch import nn
 from mff.nn.attention import causal_attention
 from mff.nn.layers import Linear, RMSNorm
 from mff.nn.lora import delta_weight, slot_name
+from mff.nn.paged import cache_update, from_rows, to_rows
 from mff.nn.rope import apply_rope
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, copy_to_tp, tp_shard
@@ -84,7 +85,9 @@ class MLA(nn.Module):
                 kv: dict | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Without ``kv``: the expanded path (training). With ``kv`` (``{"c": [B, S, C],
         "k_rot": [B, S, R]}``): writes this step's ``slots`` (int64 [T]) in place and attends over
-        all S slots in the latent space, ``mask`` [B, 1, T, S]."""
+        all S slots in the latent space, ``mask`` [B, 1, T, S]. A paged cache (pools
+        ``[num_blocks, block_size, C]`` / ``[.., R]``) comes with a :class:`mff.nn.paged.PagedBatch`
+        as ``slots`` and the packed tokens [1, N, D] as ``x``."""
         B, T, _ = x_BTD.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x_BTD)
@@ -116,9 +119,7 @@ class MLA(nn.Module):
 
     def _absorbed(self, q_nope, q_rot, c_BTC, k_rot_BTR, mask, kv, slots):
         B, T, H, _ = q_nope.shape
-        kv["c"].index_copy_(1, slots, c_BTC.to(kv["c"].dtype))
-        kv["k_rot"].index_copy_(1, slots, k_rot_BTR.to(kv["k_rot"].dtype))
-        c_BSC, k_rot_BSR = kv["c"], kv["k_rot"]
+        c_BSC, k_rot_BSR = cache_update(kv, slots, c=c_BTC, k_rot=k_rot_BTR)
         w = gather(self.kv_b_proj.weight, keep=(TP_AXIS,))
         lora = self.kv_b_proj.__dict__["_modules"].get(slot_name("weight"))
         if lora is not None:  # the absorbed path needs the adapted weight itself: W + s B A, this rank's heads
@@ -126,8 +127,8 @@ class MLA(nn.Module):
         w = w.view(H, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, N, C], [H, Vd, C]
         q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
-        q_cat = torch.cat((q_lat, q_rot), dim=-1)  # [B, T, H, C + R]
+        q_cat = to_rows(torch.cat((q_lat, q_rot), dim=-1), slots)  # [B, T, H, C + R]
         k_cat = torch.cat((c_BSC, k_rot_BSR), dim=-1)[:, :, None]  # [B, S, 1, C + R]: one key head (MQA)
-        o_lat = causal_attention(q_cat, k_cat, c_BSC[:, :, None], self.softmax_scale, mask)
+        o_lat = from_rows(causal_attention(q_cat, k_cat, c_BSC[:, :, None], self.softmax_scale, mask), slots)
         o_BTHV = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
         return self.o_proj(o_BTHV.reshape(B, T, H * self.v_dim))
