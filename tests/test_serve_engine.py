@@ -236,3 +236,31 @@ def test_bad_requests_are_refused_naming_the_field():
         Engine(model, params, EngineConfig(block_size=0))
     with pytest.raises(ValueError, match="--engine.cache-memory-gib nan"):
         Engine(model, params, EngineConfig(cache_memory_gib=float("nan")))
+
+
+def test_a_failing_consumer_or_forward_ends_only_its_requests(monkeypatch):
+    model, params = _model("qwen3")
+    engine = Engine(model, params, EngineConfig(block_size=4, num_blocks=100))
+
+    def bad_check(generated):
+        raise KeyError("boom")
+
+    outs = engine.run([EngineRequest("bad", [1, 2], 10, stop_check=bad_check), EngineRequest("good", [3, 4], 10)])
+    assert outs["bad"][-1].finish_reason == "stop" and len(_tokens(outs["bad"])) == 1
+    assert _tokens(outs["good"]) == _solo(model, params, EngineRequest("good", [3, 4], 10))
+    assert "stop_check of 'bad': KeyError" in engine.last_error
+    real = model.forward
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    first = engine.run([EngineRequest("x", [5], 3)])
+    assert first["x"][-1].finish_reason == "abort" and "device lost" in engine.last_error
+    second = engine.run([EngineRequest("y", [5], 3)])
+    assert _tokens(second["y"]) == _solo(model, params, EngineRequest("y", [5], 3))
+    assert engine.metrics()["blocks_used"] == 0

@@ -291,7 +291,7 @@ class Engine:
         reason = None
         if tok in seq.stop_ids:
             reason = "stop"
-        elif req.stop_check is not None and req.stop_check(seq.tokens[seq.num_prompt:]):
+        elif req.stop_check is not None and self._stop_check(seq):
             reason = "stop"
         elif seq.num_generated >= req.max_tokens:
             reason = "length"
@@ -300,6 +300,14 @@ class Engine:
         else:
             self._emit(seq, RequestOutput(req.request_id, [tok], lp, num_prompt_tokens=seq.num_prompt,
                                           num_generated_tokens=seq.num_generated, num_cached_tokens=seq.num_cached))
+
+    def _stop_check(self, seq: Seq) -> bool:
+        """The request's ``stop_check``; one that raises ends its own request (as a stop), not the batch."""
+        try:
+            return bool(seq.req.stop_check(seq.tokens[seq.num_prompt:]))
+        except Exception as e:
+            self.last_error = f"stop_check of {seq.req.request_id!r}: {type(e).__name__}: {e}"
+            return True
 
     def _emit(self, seq: Seq, out: RequestOutput) -> None:
         if seq.prompt_logprobs is not None and not seq.sent_prompt_logprobs:
