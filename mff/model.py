@@ -495,7 +495,9 @@ class Model:
                 ``attention_mask`` bool/int [B, T] (0 = padding: never attended to; positions
                 count real tokens only, so left-padded rows match unpadded ones).
             cache: a KV cache from :meth:`init_cache` (generation); the new tokens are appended
-                after its filled slots and ``Output.cache`` is the cache to pass next.
+                after its filled slots and ``Output.cache`` is the cache to pass next. Or a paged
+                cache (:meth:`init_paged_cache` plus the step's ``"paged"`` layout): ``input_ids``
+                [1, N] then packs the new tokens of several sequences (the serving engine).
             target_counts: denominators of the loss terms (from :meth:`count_targets`, summed
                 over a step's micro-batches and ranks); default: this batch's own counts, so
                 each term is a mean over this batch.
