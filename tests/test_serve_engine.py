@@ -264,3 +264,21 @@ def test_a_failing_consumer_or_forward_ends_only_its_requests(monkeypatch):
     second = engine.run([EngineRequest("y", [5], 3)])
     assert _tokens(second["y"]) == _solo(model, params, EngineRequest("y", [5], 3))
     assert engine.metrics()["blocks_used"] == 0
+
+
+def test_metrics_can_be_read_while_the_engine_thread_runs():
+    model, params = _model("qwen3")
+    engine = Engine(model, params, EngineConfig(block_size=4, num_blocks=400))
+    done = threading.Event()
+    engine.start()
+    try:
+        for i in range(8):
+            engine.add_request(EngineRequest(f"m{i}", [i + 1] * 3, 60, ignore_eos=True),
+                               lambda o: done.set() if o.finished and o.request_id == "m7" else None)
+        reads = 0
+        while not done.is_set():
+            m = engine.metrics()  # never "deque mutated during iteration"
+            reads += 1
+        assert reads > 100 and m["generated_tokens"] > 0
+    finally:
+        engine.shutdown()

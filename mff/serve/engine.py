@@ -118,6 +118,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._seed_gen = torch.Generator().manual_seed(0)
+        self._stats_lock = threading.Lock()  # metrics() reads what the engine thread appends
         self._token_times: deque[tuple[float, int]] = deque()
         self._ttft: deque[float] = deque(maxlen=1000)
         self.generated_tokens = 0
@@ -283,11 +284,12 @@ class Engine:
         if seq.seen is not None:
             seq.seen = mark_seen(seq.seen, torch.tensor([tok], device=self.device))
         lp = [_logprob(row[0].float().log_softmax(-1), tok, req.logprobs)] if req.logprobs is not None else None
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            self._ttft.append(now - seq.arrival)
-        self.generated_tokens += 1
-        self._token_times.append((now, 1))
+        with self._stats_lock:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self._ttft.append(now - seq.arrival)
+            self.generated_tokens += 1
+            self._token_times.append((now, 1))
         reason = None
         if tok in seq.stop_ids:
             reason = "stop"
@@ -376,10 +378,12 @@ class Engine:
         10 s), ``ttft_s_p50`` / ``ttft_s_p99`` (arrival to first token, last 1000 requests; 0 when none),
         ``steps``."""
         now = time.monotonic()
-        while self._token_times and self._token_times[0][0] < now - 10:
-            self._token_times.popleft()
-        window = now - self._token_times[0][0] if self._token_times else 0.0
-        ttft = sorted(self._ttft)
+        with self._stats_lock:
+            while self._token_times and self._token_times[0][0] < now - 10:
+                self._token_times.popleft()
+            window = now - self._token_times[0][0] if self._token_times else 0.0
+            recent = sum(n for _, n in self._token_times)
+            ttft = sorted(self._ttft)
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._inbox),
@@ -390,7 +394,7 @@ class Engine:
             "prefix_cache_hit_tokens": self.pool.hit_tokens,
             "preemptions": self.scheduler.preemptions,
             "generated_tokens": self.generated_tokens,
-            "tokens_per_s": (sum(n for _, n in self._token_times) / window) if window > 0 else 0.0,
+            "tokens_per_s": recent / window if window > 0 else 0.0,
             "ttft_s_p50": ttft[len(ttft) // 2] if ttft else 0.0,
             "ttft_s_p99": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))] if ttft else 0.0,
             "steps": self.steps,

@@ -1,0 +1,174 @@
+"""Serve a checkpoint over an OpenAI-compatible HTTP API (continuous batching, paged KV cache).
+
+    python -m mff.recipes.serve --ckpt PATH [--adapter DIR] [--host 127.0.0.1 --port 8000
+        --model-name NAME --engine.max-num-seqs 16 --engine.cache-memory-gib 1 --request-timeout-s 600]
+
+``--ckpt`` is anything ``python -m mff.recipes.generate`` reads (an HF folder, an mff run, a
+.gguf file); its tokenizer and chat template serve ``/v1/completions`` and
+``/v1/chat/completions`` (:mod:`mff.serve.api` lists the endpoints). Once the server listens it
+prints one line, ``mff serve: http://HOST:PORT/v1 (model NAME; context and cache sizes)``
+(``--port 0`` picks a free port, shown there). SIGINT / SIGTERM stop it: new requests get 503, requests in flight get up
+to ``--shutdown-grace-s`` seconds to finish, the rest are aborted. Needs ``pip install mff[serve]``
+(FastAPI and uvicorn).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from mff.backend import local_device, resolve_device
+from mff.peft.load import load_with_text
+from mff.recipes.common import refuse_pipeline, run_recipe_main
+from mff.serve.engine import Engine, EngineConfig
+
+__all__ = ["ServeConfig", "main", "run"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """An OpenAI-compatible server over one checkpoint."""
+
+    ckpt: str
+    """An HF model folder, an mff checkpoint (run or step folder), a .gguf file, or a MindSpore .ckpt / MindFormers checkpoint with its HF config.json beside it."""
+    adapter: str | None = None
+    """A LoRA adapter for --ckpt: a PEFT adapter folder or an mff LoRA run (merged into the weights before serving)."""
+    tokenizer: str | None = None
+    """A tokenizer.json to use instead of the checkpoint's."""
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0: every interface)."""
+    port: int = 8000
+    """TCP port (0: a free one, printed when ready)."""
+    model_name: str | None = None
+    """The model name clients send (GET /v1/models); default: the --ckpt folder or file name."""
+    device: str | None = None
+    """cpu, cuda, npu or auto (default: $MF_DEVICE_TYPE, else auto)."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Weights and KV-cache dtype (auto: as stored)."""
+    threads: int | None = None
+    """CPU threads for torch (default: torch's choice)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """KV cache and scheduling limits."""
+    request_timeout_s: float = 600.0
+    """A request still generating after this many seconds is aborted (HTTP 504)."""
+    shutdown_grace_s: float = 5.0
+    """On SIGINT / SIGTERM, seconds requests in flight get to finish before they are aborted."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
+    """uvicorn's log level (info: one line per request)."""
+
+
+def _check(cfg: ServeConfig) -> None:
+    """Raise ValueError naming the first bad flag."""
+    if not 0 <= cfg.port <= 65535:
+        raise ValueError(f"--port {cfg.port}: must be in [0, 65535] (0: a free port)")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ValueError(f"--threads {cfg.threads} must be >= 1")
+    if not 0 < cfg.request_timeout_s < math.inf:
+        raise ValueError(f"--request-timeout-s {cfg.request_timeout_s}: must be a finite number > 0")
+    if not 0 <= cfg.shutdown_grace_s < math.inf:
+        raise ValueError(f"--shutdown-grace-s {cfg.shutdown_grace_s}: must be a finite number >= 0")
+    if cfg.model_name is not None and not cfg.model_name.strip():
+        raise ValueError("--model-name is empty; give a name or leave it out")
+    cfg.engine.validate()
+
+
+def _server(app, cfg: ServeConfig, details: str):
+    """A uvicorn server that marks the app closing on SIGINT / SIGTERM and prints the URL (and
+    ``details``) once listening."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.closing = True
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """SIGINT / SIGTERM stop the server gracefully (uvicorn's own handler re-raises the
+            signal afterwards, which would kill the process before the engine stops)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                port = self.servers[0].sockets[0].getsockname()[1] if self.servers else cfg.port
+                host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+                print(f"mff serve: http://{host}:{port}/v1 (model {app.state.model_name}; {details})", flush=True)
+
+    return Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=cfg.shutdown_grace_s,
+                                 lifespan="on"))
+
+
+def run(cfg: ServeConfig) -> None:
+    """Load --ckpt, start the engine and serve until SIGINT / SIGTERM.
+
+    Raises:
+        ValueError: a bad flag, an engine config the cache cannot hold, FastAPI or uvicorn
+            missing (``pip install mff[serve]``).
+        FileNotFoundError, CheckpointError: as :func:`mff.peft.load.load_with_text`.
+        OSError: the address cannot be bound.
+    """
+    _check(cfg)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"serving needs FastAPI and uvicorn: pip install 'mff[serve]' ({e})") from None
+    from mff.serve.api import build_app
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = local_device(resolve_device(cfg.device))
+    model, params, text = load_with_text(Path(cfg.ckpt), device, DTYPES[cfg.dtype], adapter=cfg.adapter, tokenizer=cfg.tokenizer)
+    engine = Engine(model, params, cfg.engine, eos_token_ids=text.eos_ids)
+    name = cfg.model_name or Path(cfg.ckpt).resolve().name
+    app = build_app(engine, text, name, request_timeout_s=cfg.request_timeout_s)
+    details = (f"context {engine.max_model_len} tokens, {engine.metrics()['blocks_total']} cache blocks of "
+               f"{cfg.engine.block_size} tokens")
+    engine.start()
+    server = _server(app, cfg, details)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind (after logging why)
+        if server.started:
+            raise
+    finally:
+        app.state.closing = True
+        engine.shutdown()
+    if not server.started:
+        raise OSError(f"could not listen on {cfg.host}:{cfg.port} (see the message above)")
+    print("mff serve: stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+
+    def body() -> int:
+        refuse_pipeline(argv, "serve")
+        run(tyro.cli(ServeConfig, args=argv, prog="python -m mff.recipes.serve", description=__doc__))
+        return 0
+
+    return run_recipe_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
