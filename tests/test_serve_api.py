@@ -198,7 +198,7 @@ def test_streaming_never_shows_a_stop_string(server):
 def test_stream_holds_back_stop_prefixes_and_partial_characters(server):
     """Choice.delta on hand-made outputs: a possible start of a stop string and half a UTF-8
     character are held back until decided."""
-    from mff.serve.api import Choice, Codec
+    from mff.serve.text import Choice, Codec
     from mff.serve.request import EngineRequest, RequestOutput
 
     codec = Codec(server.text, server.engine.vocab_size)
@@ -226,7 +226,7 @@ def test_echo_logprobs_are_the_forward_log_softmax(server):
     """The lm-eval contract: one entry per prompt token plus the generated one, the first null;
     values = log_softmax of model.forward (1e-4); tokens[i] is a key of top_logprobs[i] exactly
     when it is the argmax; text_offset counts the token strings."""
-    from mff.serve.api import Codec
+    from mff.serve.text import Codec
 
     codec = Codec(server.text, server.engine.vocab_size)
     g = torch.Generator().manual_seed(4)

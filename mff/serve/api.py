@@ -35,6 +35,10 @@ decoding, or ``bytes:<token>`` for a token that is part of a UTF-8 character, or
 ``<|id:N|>`` for an id the tokenizer does not know (the model's vocabulary may be larger), so
 ``tokens[i]`` and the keys of ``top_logprobs[i]`` always agree.
 
+The pieces: :mod:`mff.serve.protocol` (request bodies), :mod:`mff.serve.errors` (error objects),
+:mod:`mff.serve.text` (tokenizer, stop strings, streamed text), :mod:`mff.serve.logprobs`
+(log-probability shapes); this module holds the routes and the engine jobs.
+
 A client that disconnects has its requests aborted: streaming responses are cancelled by the
 server (ASGI spec 2.3 servers such as uvicorn cancel the stream on ``http.disconnect``);
 non-streaming ones poll :meth:`starlette.requests.Request.is_disconnected` twice a second.
@@ -57,7 +61,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mff.data.chat import render_chat_template
+from mff.serve.errors import ERROR_TYPES, ApiError, engine_error, error_response, validation_error
+from mff.serve.logprobs import chat_logprobs, completion_logprobs
 from mff.serve.protocol import (
     MAX_CHOICES,
     ChatRequest,
@@ -68,277 +73,13 @@ from mff.serve.protocol import (
     engine_requests,
     stop_strings,
 )
-from mff.serve.request import EngineRequest, QueueFullError, RequestOutput, TokenLogprob
+from mff.serve.request import QueueFullError, RequestOutput
+from mff.serve.text import Choice, Codec, StopCheck
 
-__all__ = ["build_app", "ApiError", "Codec", "StopCheck", "find_stop", "prometheus_text"]
+__all__ = ["build_app", "prometheus_text"]
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
-               500: "internal_error", 503: "service_unavailable", 504: "timeout_error"}
-MIN_LOGPROB = -9999.0
-"""Log-probabilities below this (``-inf`` included) are reported as this (JSON has no infinity; vLLM's convention)."""
 POLL_S = 0.5
 """How often a non-streaming request checks that its client is still connected."""
-
-
-class ApiError(Exception):
-    """An HTTP error with an OpenAI error object: ``status``, ``message``, the request field ``param``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    """``{"error": {"message", "type", "param", "code"}}`` with HTTP ``status`` (``code`` is the status)."""
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-# ---------------------------------------------------------------------------------------- errors
-_TYPE_NAMES = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|constrained-.*|function-.*|TextPart|ChatMessage|"
-                         r"StreamOptions|tagged-union\[.*\])$")
-_UNION_HINTS = {
-    "prompt": "expected a string, a list of strings, a list of token ids (integers >= 0) or a list of lists of token ids",
-    "stop": "expected a non-empty string of at most 1000 characters or a list of at most 16 of them",
-    "content": "expected a string or a list of {\"type\": \"text\", \"text\": ...} parts",
-}
-_FIELD = re.compile(r"^([a-z_]+)\b")
-
-
-def _loc_name(loc: Sequence) -> str:
-    """``("messages", 0, "content", "str")`` -> ``messages[0].content`` (union branch names dropped)."""
-    out = ""
-    for part in loc:
-        if part == "body":
-            continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not _TYPE_NAMES.match(str(part)):
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def validation_error(errors: Sequence[dict]) -> ApiError:
-    """A 400 :class:`ApiError` for pydantic / FastAPI validation ``errors`` (the first one)."""
-    e = errors[0]
-    kind, msg = e.get("type", ""), str(e.get("msg", "invalid"))
-    field = _loc_name(e.get("loc", ()))
-    if kind == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', msg)}")
-    if kind in ("model_type", "model_attributes_type", "dict_type") and not field:
-        return ApiError(400, "the request body must be a JSON object")
-    if kind == "missing" and not field:
-        return ApiError(400, "the request body is missing; send a JSON object")
-    if kind == "value_error" and not field:  # a model validator: its message starts with the field
-        text = msg.removeprefix("Value error, ")
-        m = _FIELD.match(text)
-        return ApiError(400, text, m.group(1) if m else None)
-    top = field.split(".")[0].split("[")[0] or None
-    if kind == "extra_forbidden":
-        return ApiError(400, f"{field}: unknown field (this server does not accept it)", top)
-    leaf = field.split(".")[-1].split("[")[0]
-    in_union = any(isinstance(p, str) and _TYPE_NAMES.match(p) for p in e.get("loc", ()))
-    hint = _UNION_HINTS.get(leaf) if in_union else None
-    got = e.get("input")
-    shown = json.dumps(got)[:80] if isinstance(got, (int, float, str, bool, type(None))) else type(got).__name__
-    return ApiError(400, f"{field}: {hint or msg} (got {shown})", top)
-
-
-def _engine_error(e: ValueError) -> ApiError:
-    """An engine ``ValueError`` (its message starts with the field it names) as an ApiError."""
-    text = str(e)
-    if "shutting down" in text:
-        return ApiError(503, "the server is shutting down")
-    m = _FIELD.match(text)
-    return ApiError(400, text, m.group(1) if m and m.group(1) not in ("the",) else None)
-
-
-# ---------------------------------------------------------------------------------------- text
-class Codec:
-    """The tokenizer side of the server: encoding, decoding and token strings.
-
-    ``text``: a :class:`mff.ckpt.tokenizer_files.TextAssets` (``tokenizer``, ``chat_template``,
-    ``bos_token``, ``eos_token``, ``eos_ids``); ``model_vocab``: the model's vocabulary size
-    (prompt ids must be below it; it may exceed the tokenizer's).
-    """
-
-    def __init__(self, text, model_vocab: int):
-        self.text, self.tokenizer, self.model_vocab = text, text.tokenizer, model_vocab
-        self.size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        self._strs: dict[int, tuple[str, bool]] = {}
-
-    def encode(self, s: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``s`` (with the tokenizer's BOS etc. when ``add_special_tokens``)."""
-        return self.tokenizer.encode(s, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; ids the tokenizer does not know decode to nothing."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def _token(self, i: int) -> tuple[str, bool]:
-        if i not in self._strs:
-            piece = self.decode([i], skip_special_tokens=False)
-            tok = self.tokenizer.id_to_token(i)
-            if tok is None:
-                self._strs[i] = (f"<|id:{i}|>", False)
-            elif not piece or "\ufffd" in piece:
-                self._strs[i] = (f"bytes:{tok}", False)
-            else:
-                self._strs[i] = (piece, True)
-        return self._strs[i]
-
-    def token_str(self, i: int) -> str:
-        """The string of token ``i`` in log-probability listings (see the module docstring)."""
-        return self._token(i)[0]
-
-    def token_bytes(self, i: int) -> list[int] | None:
-        """The UTF-8 bytes of :meth:`token_str`, or None when it is not the token's text."""
-        s, is_text = self._token(i)
-        return list(s.encode("utf-8")) if is_text else None
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The checkpoint's chat template applied to ``messages``.
-
-        Raises:
-            ApiError: 400 when the checkpoint has no chat template or the template refuses the
-                messages (its ``raise_exception`` message is passed on).
-        """
-        if not self.text.chat_template:
-            raise ApiError(400, "the served model has no chat template; use /v1/completions with a prompt", "messages")
-        try:
-            return render_chat_template(self.text.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                        what="the chat template", bos_token=self.text.bos_token or "",
-                                        eos_token=self.text.eos_token or "")
-        except (ValueError, TypeError) as e:
-            raise ApiError(400, f"messages: {e}", "messages") from None
-
-    def check_ids(self, ids: Sequence[int], where: str, limit: int | None = None) -> None:
-        """Raise a 400 ApiError naming ``where`` when an id is not in ``[0, limit)`` (default: the model's vocabulary)."""
-        limit = self.model_vocab if limit is None else limit
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < limit), None)
-        if bad is not None:
-            raise ApiError(400, f"{where}[{bad}]: token id {ids[bad]} is not in the vocabulary [0, {limit})", where.split("[")[0])
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """The index in ``text`` of the earliest occurrence of any of ``stops`` (None: none occurs)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-class StopCheck:
-    """``EngineRequest.stop_check`` for stop strings: called in the engine thread with all the ids
-    generated so far, True once the decoded text (``skip_special_tokens``) holds any of ``stops``.
-    Only the text that can hold a new occurrence is searched (each call decodes all the ids)."""
-
-    def __init__(self, codec: Codec, stops: Sequence[str]):
-        self.codec, self.stops = codec, tuple(stops)
-        self.longest = max(len(s) for s in self.stops)
-        self._searched = 0
-
-    def __call__(self, ids: list[int]) -> bool:
-        text = self.codec.decode(ids)
-        start = max(0, min(self._searched, len(text)) - self.longest + 1)
-        self._searched = len(text)
-        return find_stop(text[start:], self.stops) is not None
-
-
-class Choice:
-    """One choice (one engine request) seen from the HTTP side: its tokens, log-probabilities and
-    the text already streamed."""
-
-    def __init__(self, index: int, req: EngineRequest, eos_ids: Sequence[int], stops: Sequence[str], prompt_text: str):
-        self.index, self.req, self.stops, self.prompt_text = index, req, tuple(stops), prompt_text
-        self.stop_ids = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else frozenset(eos_ids))
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        self.finish_reason: str | None = None
-        self.sent_chars = 0
-        self.sent_logprobs = 0
-        self.started = False
-        self.offset = 0  # text_offset of the next streamed log-probability entry
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def add(self, out: RequestOutput) -> None:
-        """Take one engine output."""
-        self.ids.extend(out.new_token_ids)
-        if out.new_logprobs:
-            self.logprobs.extend(out.new_logprobs)
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finished:
-            self.finish_reason = out.finish_reason
-
-    def _visible(self) -> list[int]:
-        if self.finish_reason == "stop" and self.ids and self.ids[-1] in self.stop_ids:
-            return self.ids[:-1]
-        return self.ids
-
-    def text(self, codec: Codec) -> tuple[str, bool]:
-        """``(text, stopped)``: the generated text, cut before the first stop string when one occurs."""
-        text = codec.decode(self._visible())
-        cut = find_stop(text, self.stops) if self.stops else None
-        return (text, False) if cut is None else (text[:cut], True)
-
-    def final_reason(self, codec: Codec) -> str:
-        """``stop`` or ``length`` (a stop string found in the text counts as ``stop``)."""
-        return "stop" if self.finish_reason == "stop" or self.text(codec)[1] else self.finish_reason
-
-    def delta(self, codec: Codec) -> str:
-        """The text not streamed yet that may be streamed now (see the module docstring)."""
-        text, stopped = self.text(codec)
-        end = len(text)
-        if not self.finished and not stopped:
-            end -= self.hold
-            stripped = text.rstrip("\ufffd")
-            if len(stripped) < len(text):
-                end = min(end, len(stripped))
-        end = max(end, self.sent_chars)
-        out, self.sent_chars = text[self.sent_chars:end], end
-        return out
-
-    def usage_tokens(self) -> int:
-        return len(self.ids)
-
-
-# ---------------------------------------------------------------------------------------- logprobs
-def _lp(x: float) -> float:
-    return x if x >= MIN_LOGPROB else MIN_LOGPROB  # nan fails both comparisons: reported as the minimum too
-
-
-def _top_dict(codec: Codec, entry: TokenLogprob) -> dict[str, float]:
-    """The alternatives of one position by token string, the chosen token added when not among them (vLLM)."""
-    out = {codec.token_str(t): _lp(v) for t, v in entry.top.items()}
-    out.setdefault(codec.token_str(entry.token_id), _lp(entry.logprob))
-    return out
-
-
-def completion_logprobs(codec: Codec, ids: Sequence[int], entries: Sequence[TokenLogprob | None], offset: int = 0) -> dict:
-    """The completions ``logprobs`` object of ``ids``: ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (null where ``entries`` has None: the first prompt token) and ``text_offset``
-    (running sum of the token strings' lengths, from ``offset``)."""
-    tokens, lps, tops, offsets = [], [], [], []
-    for t, e in zip(ids, entries):
-        s = codec.token_str(t)
-        tokens.append(s)
-        offsets.append(offset)
-        offset += len(s)
-        lps.append(None if e is None else _lp(e.logprob))
-        tops.append(None if e is None else _top_dict(codec, e))
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def chat_logprobs(codec: Codec, entries: Sequence[TokenLogprob]) -> dict:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
-    def one(t: int, v: float) -> dict:
-        return {"token": codec.token_str(t), "logprob": _lp(v), "bytes": codec.token_bytes(t)}
-
-    return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, v) for t, v in e.top.items()]) for e in entries]}
 
 
 # ---------------------------------------------------------------------------------------- engine jobs
@@ -368,7 +109,7 @@ class Job:
                 raise ApiError(429, str(e)) from None
             except ValueError as e:
                 self.abort()
-                raise _engine_error(e) from None
+                raise engine_error(e) from None
             self.added.append(c)
 
     def abort(self) -> None:
