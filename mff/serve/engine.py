@@ -252,19 +252,25 @@ class Engine:
                                  logits=torch.tensor(positions, dtype=torch.int64, device=self.device))
         logits = out.logits[0]  # [K, V]
         now = time.monotonic()
+        ready: list[tuple[Seq, int]] = []  # sequences to sample, with their logits row
         for ch, (first, n) in zip(chunks, spans):
             seq = ch.seq
             seq.num_computed = ch.start + ch.length
             self.scheduler.register_full_blocks(seq)
-            rows = logits[first:first + n]
             if seq.wants_prompt_logprobs and ch.start < seq.num_prompt:
-                self._prompt_logprobs(seq, ch.start, rows)
+                self._prompt_logprobs(seq, ch.start, logits[first:first + n])
             if seq.num_computed < len(seq.tokens):
                 continue
             if seq.num_generated >= seq.req.max_tokens:  # max_tokens 0: the prompt was only scored
                 self._finish(seq, "length", [])
                 continue
-            self._sample(seq, rows[-1:], now)
+            ready.append((seq, first + n - 1))
+        # plain greedy rows (no repetition penalty): one argmax for all, what sample() gives each alone
+        plain = [i for i, (seq, _) in enumerate(ready) if seq.req.sampling.greedy and seq.seen is None]
+        greedy = logits[[ready[i][1] for i in plain]].float().argmax(-1).tolist() if plain else []
+        picked = dict(zip(plain, greedy))
+        for i, (seq, row) in enumerate(ready):
+            self._sample(seq, logits[row:row + 1], now, picked.get(i))
 
     def _prompt_logprobs(self, seq: Seq, start: int, rows: torch.Tensor) -> None:
         """Row i holds the logits after position ``start + i``: the log-probability of prompt token
@@ -277,9 +283,12 @@ class Engine:
                 continue
             seq.prompt_logprobs.append(_logprob(lsm[i], seq.tokens[nxt], k))
 
-    def _sample(self, seq: Seq, row: torch.Tensor, now: float) -> None:
+    def _sample(self, seq: Seq, row: torch.Tensor, now: float, tok: int | None = None) -> None:
+        """Sample ``seq``'s next token from ``row`` (logits [1, V]) unless ``tok`` is given, then
+        hand it out and stop the request when it should."""
         req = seq.req
-        tok = int(sample(row.float(), req.sampling, seq.generator, seq.seen)[0])
+        if tok is None:
+            tok = int(sample(row.float(), req.sampling, seq.generator, seq.seen)[0])
         seq.tokens.append(tok)
         if seq.seen is not None:
             seq.seen = mark_seen(seq.seen, torch.tensor([tok], device=self.device))
