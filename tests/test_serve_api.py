@@ -198,8 +198,8 @@ def test_streaming_never_shows_a_stop_string(server):
 def test_stream_holds_back_stop_prefixes_and_partial_characters(server):
     """Choice.delta on hand-made outputs: a possible start of a stop string and half a UTF-8
     character are held back until decided."""
-    from mff.serve.text import Choice, Codec
     from mff.serve.request import EngineRequest, RequestOutput
+    from mff.serve.text import Choice, Codec
 
     codec = Codec(server.text, server.engine.vocab_size)
     tok = server.text.tokenizer
