@@ -5,11 +5,13 @@
 For each benchmark config (``bench/configs.py``: qwen3_bench, deepseek3_bench) the same random
 weights run in HF transformers (fp32, greedy ``generate``) and in mff (greedy
 :func:`mff.generate.generate`: fp32 eager, and fp32 and bf16 weights with the compiled decode
-step), batch 1, interleaved in one process, median of ``--repeats`` after one warm-up each (the
-warm-up pays the compile time, about 20 s per model and dtype on 2 cores). Tokens/s counts new tokens over the whole call (prefill
-included). The bandwidth limit is the memory bandwidth measured in the same run (a streaming
-read of a 512 MB buffer) divided by the bytes of all weights: reading every weight once per
-token. The cache column is the KV-cache elements per token per layer.
+step, and bf16 eager), batch 1, interleaved in one process, median of ``--repeats`` after one
+warm-up each (the warm-up pays the compile time, about 20 s per model and dtype on 2 cores).
+Tokens/s counts new tokens over the whole call (prefill included). The bandwidth limit is the
+memory bandwidth measured in the same run (a streaming read of a 512 MB buffer) divided by the
+bytes a decode step must read (:func:`bytes_read_per_token`: every weight once, except the
+embedding table, which is looked up, and only the top-k of the routed experts). The cache
+column is the KV-cache elements per token per layer.
 """
 
 from __future__ import annotations
@@ -42,6 +44,20 @@ def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return nbytes / min(times)
 
 
+def bytes_read_per_token(params: dict, cfg) -> int:
+    """Bytes of weights one decode step reads: all params but the (untied) embedding table, and
+    of each stacked routed-expert weight [E, ...] only ``num_experts_per_tok`` of its E experts."""
+    total = 0
+    for k, t in params.items():
+        b = t.numel() * t.element_size()
+        if k == "model.embed_tokens.weight" and not getattr(cfg, "tie_word_embeddings", False):
+            continue
+        if ".mlp.experts." in k:
+            b = b * cfg.num_experts_per_tok // t.shape[0]
+        total += b
+    return total
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -70,9 +86,10 @@ def bench_config(name: str, family: str, cfg, args, bandwidth: float) -> list[di
     runs = {"HF fp32": run_hf,
             "mff fp32 eager": lambda: generate(model, params, ids, n),
             "mff fp32 compiled": lambda: generate(model, params, ids, n, compile=True),
+            "mff bf16 eager": lambda: generate(model, bf16, ids, n),
             "mff bf16 compiled": lambda: generate(model, bf16, ids, n, compile=True)}
-    weight_bytes = {"HF fp32": sum(p.numel() * p.element_size() for p in hf.parameters()),
-                    "mff fp32 eager": fp32_bytes, "mff fp32 compiled": fp32_bytes, "mff bf16 compiled": bf16_bytes}
+    weight_bytes = {k: (bf16_bytes if "bf16" in k else fp32_bytes) for k in runs}
+    read_bytes = {k: bytes_read_per_token(bf16 if "bf16" in k else params, cfg) for k in runs}
     times = {k: [] for k in runs}
     for fn in runs.values():
         fn()  # warm-up
@@ -90,9 +107,10 @@ def bench_config(name: str, family: str, cfg, args, bandwidth: float) -> list[di
     hf_tps = n / statistics.median(times["HF fp32"])
     for k in runs:
         tps = n / statistics.median(times[k])
-        limit = bandwidth / weight_bytes[k]
+        limit = bandwidth / read_bytes[k]
         rows.append({"config": name, "run": k, "tok/s": tps, "x HF": tps / hf_tps, "% of BW limit": 100 * tps / limit,
-                     "cache/token/layer": hf_elems if k.startswith("HF") else mff_elems, "weights MB": weight_bytes[k] / 1e6})
+                     "cache/token/layer": hf_elems if k.startswith("HF") else mff_elems, "weights MB": weight_bytes[k] / 1e6,
+                     "read MB/token": read_bytes[k] / 1e6})
     return rows
 
 
@@ -112,7 +130,7 @@ def main() -> None:
     for name in args.configs:
         family, cfg = CONFIGS[name]
         rows += bench_config(name, family, cfg, args, bw)
-    head = ["config", "run", "weights MB", "tok/s", "x HF", "% of BW limit", "cache/token/layer"]
+    head = ["config", "run", "weights MB", "read MB/token", "tok/s", "x HF", "% of BW limit", "cache/token/layer"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:

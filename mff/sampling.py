@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "GREEDY_BELOW",
     "SamplingConfig",
     "apply_repetition_penalty",
     "top_k_mask",
@@ -64,7 +65,8 @@ class SamplingConfig:
     """
 
     temperature: float = 1.0
-    """Divides the logits before sampling; 0 = greedy (argmax of the penalised logits). >= 0."""
+    """Divides the logits before sampling; below :data:`GREEDY_BELOW` (1e-5, vLLM's rule; 0
+    included) decoding is greedy (argmax of the penalised logits). >= 0."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 = off. >= 0."""
     top_p: float = 1.0
@@ -72,7 +74,8 @@ class SamplingConfig:
     min_p: float = 0.0
     """Keep tokens with probability >= min_p * (top probability). In [0, 1); 0 = off."""
     repetition_penalty: float = 1.0
-    """CTRL penalty on already-seen tokens (needs a ``seen_mask``). > 0; 1 = off, > 1 discourages repeats."""
+    """CTRL penalty on already-seen tokens (needs a ``seen_mask``). In [1e-4, 1e4]; 1 = off, > 1
+    discourages repeats (the bounds keep the penalised fp32 logits finite)."""
 
     def validate(self) -> None:
         """Check every field.
@@ -80,7 +83,8 @@ class SamplingConfig:
         Raises:
             ValueError: naming the field, its value and the allowed range, for: a non-finite
                 (nan/inf) value in any field, ``temperature < 0``, ``top_k`` not an int or < 0,
-                ``top_p`` outside (0, 1], ``min_p`` outside [0, 1), ``repetition_penalty <= 0``.
+                ``top_p`` outside (0, 1], ``min_p`` outside [0, 1), ``repetition_penalty`` outside
+                [1e-4, 1e4].
         """
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
@@ -98,13 +102,18 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_p={self.top_p!r} must be in (0, 1] (1 = off)")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"SamplingConfig.min_p={self.min_p!r} must be in [0, 1) (0 = off)")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"SamplingConfig.repetition_penalty={self.repetition_penalty!r} must be > 0 (1 = off)")
+        if not 1e-4 <= self.repetition_penalty <= 1e4:
+            raise ValueError(f"SamplingConfig.repetition_penalty={self.repetition_penalty!r} must be in [1e-4, 1e4] (1 = off)")
 
     @property
     def greedy(self) -> bool:
-        """True when ``temperature == 0`` (argmax decoding)."""
-        return self.temperature == 0
+        """True when ``temperature < GREEDY_BELOW`` (argmax decoding): dividing fp32 logits by a
+        smaller temperature would overflow, and the distribution is a point mass anyway."""
+        return self.temperature < GREEDY_BELOW
+
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (vLLM's ``_SAMPLING_EPS``)."""
 
 
 def _check_2d(name: str, t: torch.Tensor) -> None:

@@ -20,7 +20,8 @@ class LiveServer:
     make a request outlast a disconnect or a timeout)."""
 
     def __init__(self, ckpt: Path, config: EngineConfig = EngineConfig(num_blocks=128), *, model_name: str = "tiny",
-                 request_timeout_s: float | None = 600.0, step_delay_s: float = 0.0):
+                 request_timeout_s: float | None = 600.0, step_delay_s: float = 0.0,
+                 max_body_bytes: int = 32_000_000):
         import uvicorn
 
         from mff.serve.api import build_app
@@ -32,21 +33,21 @@ class LiveServer:
         if step_delay_s > 0:
             step = self.engine.step
             self.engine.step = lambda: (time.sleep(step_delay_s), step())[1]
-        self.app = build_app(self.engine, self.text, model_name, request_timeout_s=request_timeout_s)
+        self.app = build_app(self.engine, self.text, model_name, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def _record_outputs(self) -> None:
-        add = self.engine.add_request
+        add = self.engine.add_requests
 
-        def add_request(req, on_output):
+        def recorder(on_output):
             def record(out):
                 if out.finished:
                     self.finished[out.request_id] = out.finish_reason
                 on_output(out)
-            add(req, record)
+            return record
 
-        self.engine.add_request = add_request
+        self.engine.add_requests = lambda items: add([(req, recorder(on_output)) for req, on_output in items])
 
     def __enter__(self) -> LiveServer:
         self.engine.start()

@@ -279,6 +279,9 @@ def test_no_nan_when_all_but_one_filtered(dtype):
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
         ("repetition_penalty", float("nan")),
+        ("repetition_penalty", 1e-320),  # underflows to 0 in fp32: the penalised logits would be inf
+        ("repetition_penalty", 5e-5),
+        ("repetition_penalty", 2e4),
     ],
 )
 def test_validate_errors(field, value):
@@ -297,6 +300,18 @@ def test_validate_accepts_bounds():
         SamplingConfig(temperature=5.0, top_k=1, top_p=1e-6, min_p=0.999, repetition_penalty=1e-3),
     ]:
         cfg.validate()
+
+
+def test_temperatures_too_small_for_fp32_are_greedy():
+    """A positive temperature below 1e-5 (down to ones that underflow in fp32) decodes greedily,
+    like 0, instead of dividing the logits into inf/nan; 1e-5 itself still samples."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 4
+    for t in (0.0, 1e-39, 1e-320, 9.9e-6):
+        cfg = SamplingConfig(temperature=t)
+        assert cfg.greedy
+        assert torch.equal(sample(logits, cfg, torch.Generator().manual_seed(1)), logits.argmax(-1)), t
+    assert not SamplingConfig(temperature=1e-5).greedy
+    assert torch.isfinite(filter_logits(logits, SamplingConfig(temperature=1e-5)).softmax(-1)).all()
 
 
 def test_shape_errors():

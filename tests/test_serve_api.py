@@ -175,8 +175,15 @@ def test_stop_string_cuts_the_text(server):
     r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
                                           "stop": [stop, "never seen here"]}).json()
     c = r["choices"][0]
-    assert c["text"] == full[:k] and c["finish_reason"] == "stop"
+    assert c["text"] == full[:k] and c["finish_reason"] == "stop" and c["stop_reason"] == stop
     assert r["usage"]["completion_tokens"] < 24  # the engine stopped generating, not only the text was cut
+    ids = server.text.tokenizer.encode(PROMPT).ids
+    third = _greedy(server, ids, 3, eos=False)[2]  # stop_token_ids: stop_reason is the id; at max_tokens it is null
+    by_id = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                                              "stop_token_ids": [third]}).json()["choices"][0]
+    assert by_id["finish_reason"] == "stop" and by_id["stop_reason"] == third
+    plain = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True}).json()
+    assert plain["choices"][0]["stop_reason"] is None
     client = _client(server)
     one = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, extra_body={"ignore_eos": True})
     assert one.choices[0].text == full[:k]
@@ -192,7 +199,7 @@ def test_streaming_never_shows_a_stop_string(server):
     for e in events[:-1]:
         text += e["choices"][0]["text"]
         assert stop not in text and full.startswith(text)
-    assert text == full[:k] and events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert text == full[:k] and events[-2]["choices"][0]["finish_reason"] == "stop" and events[-2]["choices"][0]["stop_reason"] == stop
 
 
 def test_stream_holds_back_stop_prefixes_and_partial_characters(server):
@@ -414,6 +421,32 @@ def test_errors_name_the_numbers(server):
     assert neg["param"] == "max_tokens" and "-1" in neg["message"]
 
 
+def test_body_limits_and_method_errors(server):
+    """A body over the limit gets 413 (by its Content-Length, and counted when sent chunked); a
+    prompt of ~1 MB (tokenized off the event loop) gets the context 400; 405 names the allowed
+    method; a temperature too small for fp32 decodes greedily; a request whose choices could
+    never wait together is a 400, not a 429."""
+    limit = server.app.state.max_body_bytes
+    server.app.state.max_body_bytes = 2000
+    try:
+        r = _post(server, "/v1/completions", {"prompt": "x" * 3000})
+        assert r.status_code == 413 and "3014 bytes" in r.json()["error"]["message"] and "2000" in r.json()["error"]["message"]
+        chunked = requests.post(server.base + "/v1/completions", data=iter([b'{"prompt": "', b"y" * 3000, b'"}']), timeout=60)
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413
+    finally:
+        server.app.state.max_body_bytes = limit
+    big = _post(server, "/v1/completions", {"prompt": "alpha beta " * 50_000, "max_tokens": 1})
+    assert big.status_code == 400 and "model's context of 512" in big.json()["error"]["message"]
+    wrong = requests.get(server.base + "/v1/completions", timeout=30)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    ids = server.text.tokenizer.encode(PROMPT).ids
+    tiny_t = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 1e-39, "ignore_eos": True}).json()
+    assert tiny_t["choices"][0]["text"] == _decode(server, _greedy(server, ids, 6, eos=False))
+    pen = _post(server, "/v1/completions", {"prompt": PROMPT, "repetition_penalty": 1e-320}).json()["error"]
+    assert pen["param"] == "repetition_penalty"
+    server.wait_idle()
+
+
 def test_tokenize_detokenize_info_models_metrics(server):
     ids = server.text.tokenizer.encode(PROMPT).ids
     r = _post(server, "/tokenize", {"prompt": PROMPT, "return_token_strs": True}).json()
@@ -495,6 +528,15 @@ def test_queue_full_is_429_and_closing_is_503(slow):
     assert requests.get(slow.base + "/health", timeout=30).status_code == 200
 
 
+def test_choices_are_queued_together(slow):
+    """The choices of one request wait all together or not at all: more of them than
+    --engine.max-waiting (1 here) can never be queued (400); one fits an idle server."""
+    r = _post(slow, "/v1/completions", {"prompt": ["x", "y", "z"], "max_tokens": 2})
+    assert r.status_code == 400 and "3 choices" in r.json()["error"]["message"] and "--engine.max-waiting" in r.json()["error"]["message"]
+    assert _post(slow, "/v1/completions", {"prompt": ["x"], "max_tokens": 2}).status_code == 200
+    slow.wait_idle()
+
+
 def test_request_timeout(slow):
     """Past --request-timeout-s (5 s here): 504 for a plain request, an error event then [DONE]
     for a stream; both engine requests are aborted."""
@@ -516,6 +558,13 @@ def test_request_timeout(slow):
 
 
 # ------------------------------------------------------------------------------------- the CLI
+def _ready_line(p: subprocess.Popen) -> str:
+    """The server's ``mff serve: http://...`` line (after ``mff serve: loading ...``), or the last line read at EOF."""
+    line = p.stdout.readline()
+    while line.startswith("mff serve: loading"):
+        line = p.stdout.readline()
+    return line
+
 def test_serve_cli_serves_and_stops_on_sigterm(ckpt):
     from tests.cli_util import ROOT
 
@@ -523,7 +572,7 @@ def test_serve_cli_serves_and_stops_on_sigterm(ckpt):
                           "--engine.num-blocks", "64", "--model-name", "cli"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          cwd=ROOT)
     try:
-        line = p.stdout.readline()
+        line = _ready_line(p)
         m = re.match(r"mff serve: (http://127\.0\.0\.1:\d+)/v1 \(model cli;", line)
         assert m, line + p.stderr.read() if p.poll() is not None else line
         base = m.group(1)
@@ -540,8 +589,47 @@ def test_serve_cli_serves_and_stops_on_sigterm(ckpt):
             p.wait()
 
 
+def test_serve_cli_shutdown_aborts_requests_in_flight_with_503(ckpt):
+    """SIGTERM while requests run: after --shutdown-grace-s the engine aborts them; a plain
+    request gets a 503 error object, a stream an error event and [DONE]; no traceback."""
+    from tests.cli_util import ROOT
+
+    p = subprocess.Popen([sys.executable, "-m", "mff.recipes.serve", "--ckpt", str(ckpt), "--port", "0", "--threads", "1",
+                          "--engine.num-blocks", "128", "--engine.max-num-seqs", "1", "--shutdown-grace-s", "0.3"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = _ready_line(p)
+        m = re.match(r"mff serve: (http://127\.0\.0\.1:\d+)/v1", line)
+        assert m, line + p.stderr.read() if p.poll() is not None else line
+        base = m.group(1)
+        body = {"prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "n": 3}
+        out = {}
+        plain = threading.Thread(target=lambda: out.update(plain=requests.post(base + "/v1/completions", json=body, timeout=120)))
+        streamed = threading.Thread(target=lambda: out.update(stream=sse_events(requests.post(
+            base + "/v1/completions", json=dict(body, stream=True), stream=True, timeout=120).iter_lines())))
+        plain.start()
+        streamed.start()
+        deadline = time.monotonic() + 30
+        while requests.get(base + "/metrics?format=json", timeout=30).json()["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        p.send_signal(signal.SIGTERM)
+        plain.join(60)
+        streamed.join(60)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and "Traceback" not in err, err
+        assert out["plain"].status_code == 503, out["plain"].text[:300]
+        assert out["plain"].json()["error"]["type"] == "service_unavailable"
+        assert out["stream"][-1] == "[DONE]" and out["stream"][-2]["error"]["code"] == 503
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--engine.block-size", "0"], "--engine.block-size 0: must be an integer >= 1"),
+    (["--engine.num-blocks", "1000000000000"], "--engine.num-blocks 1000000000000: could not allocate the KV cache"),
+    (["--max-body-mb", "0"], "--max-body-mb 0"),
     (["--port", "70000"], "--port 70000"),
     (["--request-timeout-s", "0"], "--request-timeout-s 0"),
 ])

@@ -48,7 +48,7 @@ class GenerateConfig:
     max_new_tokens: int = 128
     """Most tokens to generate."""
     temperature: float = 0.0
-    """Sampling temperature; 0 = greedy."""
+    """Sampling temperature; below 1e-5 (0 included) greedy."""
     top_k: int = 0
     """Keep the k most likely tokens (0 = off)."""
     top_p: float = 1.0

@@ -7,9 +7,10 @@
 .gguf file); its tokenizer and chat template serve ``/v1/completions`` and
 ``/v1/chat/completions`` (:mod:`mff.serve.api` lists the endpoints). Once the server listens it
 prints one line, ``mff serve: http://HOST:PORT/v1 (model NAME; context and cache sizes)``
-(``--port 0`` picks a free port, shown there). SIGINT / SIGTERM stop it: new requests get 503, requests in flight get up
-to ``--shutdown-grace-s`` seconds to finish, the rest are aborted. Needs ``pip install mff[serve]``
-(FastAPI and uvicorn).
+(``--port 0`` picks a free port, shown there). SIGINT / SIGTERM stop it: the server stops
+accepting connections, new requests on open connections get 503, requests in flight get up to
+``--shutdown-grace-s`` seconds to finish, and the rest are then aborted with a 503 error object
+(an error event and ``[DONE]`` on a stream). Needs ``pip install mff[serve]`` (FastAPI and uvicorn).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import tyro
 
 from mff.backend import local_device, resolve_device
+from mff.ckpt.tokenizer_files import read_chat_template_file
 from mff.peft.load import load_with_text
 from mff.recipes.common import refuse_pipeline, run_recipe_main
 from mff.serve.engine import Engine, EngineConfig
@@ -47,6 +49,8 @@ class ServeConfig:
     """A LoRA adapter for --ckpt: a PEFT adapter folder or an mff LoRA run (merged into the weights before serving)."""
     tokenizer: str | None = None
     """A tokenizer.json to use instead of the checkpoint's."""
+    chat_template: str | None = None
+    """A Jinja chat template file for /v1/chat/completions that replaces the checkpoint's (or gives one to a checkpoint without)."""
     host: str = "127.0.0.1"
     """Address to listen on (0.0.0.0: every interface)."""
     port: int = 8000
@@ -64,7 +68,9 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     """A request still generating after this many seconds is aborted (HTTP 504)."""
     shutdown_grace_s: float = 5.0
-    """On SIGINT / SIGTERM, seconds requests in flight get to finish before they are aborted."""
+    """On SIGINT / SIGTERM, seconds requests in flight get to finish before they are aborted (503)."""
+    max_body_mb: float = 32.0
+    """Largest request body accepted, in MB (10^6 bytes); a larger one gets HTTP 413."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "warning"
     """uvicorn's log level (info: one line per request)."""
 
@@ -88,19 +94,30 @@ def _check(cfg: ServeConfig) -> None:
         raise ValueError(f"--request-timeout-s {cfg.request_timeout_s}: must be a finite number > 0")
     if not 0 <= cfg.shutdown_grace_s < math.inf:
         raise ValueError(f"--shutdown-grace-s {cfg.shutdown_grace_s}: must be a finite number >= 0")
+    if not 0 < cfg.max_body_mb < math.inf:
+        raise ValueError(f"--max-body-mb {cfg.max_body_mb}: must be a finite number > 0")
     if cfg.model_name is not None and not cfg.model_name.strip():
         raise ValueError("--model-name is empty; give a name or leave it out")
     cfg.engine.validate()
 
 
-def _server(app, cfg: ServeConfig, details: str):
-    """A uvicorn server that marks the app closing on SIGINT / SIGTERM and prints the URL (and
-    ``details``) once listening."""
+def _server(app, engine: Engine, cfg: ServeConfig, details: str):
+    """A uvicorn server that prints the URL (and ``details``) once listening and, on SIGINT /
+    SIGTERM, marks the app closing (new requests: 503) and shuts the engine down after
+    ``--shutdown-grace-s`` seconds, so that the requests still in flight end with a 503 error
+    object before uvicorn's own graceful-shutdown limit (the grace plus a margin) cancels
+    anything."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        abort_timer: threading.Timer | None = None
+
         def handle_exit(self, sig, frame):
-            app.state.closing = True
+            if not app.state.closing:
+                app.state.closing = True
+                self.abort_timer = threading.Timer(cfg.shutdown_grace_s, engine.shutdown)
+                self.abort_timer.daemon = True
+                self.abort_timer.start()
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -124,8 +141,13 @@ def _server(app, cfg: ServeConfig, details: str):
                 host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
                 print(f"mff serve: http://{host}:{port}/v1 (model {app.state.model_name}; {details})", flush=True)
 
-    return Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=cfg.shutdown_grace_s,
-                                 lifespan="on"))
+    return Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                                 timeout_graceful_shutdown=cfg.shutdown_grace_s + SHUTDOWN_MARGIN_S, lifespan="on"))
+
+
+SHUTDOWN_MARGIN_S = 5.0
+"""Seconds past ``--shutdown-grace-s`` that aborted requests get to send their 503 before uvicorn
+cancels them."""
 
 
 def run(cfg: ServeConfig) -> None:
@@ -150,14 +172,30 @@ def run(cfg: ServeConfig) -> None:
         torch.set_num_threads(cfg.threads)
     elif device.type == "cpu":
         torch.set_num_threads(default_cpu_threads())
+    template = read_chat_template_file(cfg.chat_template) if cfg.chat_template is not None else None
+    print(f"mff serve: loading {cfg.ckpt} ...", flush=True)
     model, params, text = load_with_text(Path(cfg.ckpt), device, DTYPES[cfg.dtype], adapter=cfg.adapter, tokenizer=cfg.tokenizer)
-    engine = Engine(model, params, cfg.engine, eos_token_ids=text.eos_ids)
+    if template is not None:
+        text.chat_template, text.chat_template_source = template, cfg.chat_template
+    try:
+        engine = Engine(model, params, cfg.engine, eos_token_ids=text.eos_ids)
+    except (RuntimeError, MemoryError) as e:
+        if "alloc" not in str(e) and not isinstance(e, MemoryError):
+            raise
+        flag = (f"--engine.num-blocks {cfg.engine.num_blocks}" if cfg.engine.num_blocks is not None
+                else f"--engine.cache-memory-gib {cfg.engine.cache_memory_gib}")
+        raise ValueError(f"{flag}: could not allocate the KV cache ({str(e).splitlines()[0][:200]}); give a smaller cache") from None
     name = cfg.model_name or Path(cfg.ckpt).resolve().name
-    app = build_app(engine, text, name, request_timeout_s=cfg.request_timeout_s)
-    details = (f"context {engine.max_model_len} tokens, {engine.metrics()['blocks_total']} cache blocks of "
-               f"{cfg.engine.block_size} tokens")
+    app = build_app(engine, text, name, request_timeout_s=cfg.request_timeout_s, max_body_bytes=int(cfg.max_body_mb * 1e6))
+    blocks = engine.metrics()["blocks_total"]
+    cache_gib = blocks * cfg.engine.block_size * engine.metrics()["cache_bytes_per_token"] / 2**30
+    details = (f"context {engine.max_model_len} tokens, {blocks} cache blocks of {cfg.engine.block_size} tokens, "
+               f"{cache_gib:.2f} GiB")
+    if blocks * cfg.engine.block_size < engine.max_model_len:
+        details += (f"; the cache holds {blocks * cfg.engine.block_size} tokens, less than one full context: a request that "
+                    "needs more (a prompt without max_tokens included) gets HTTP 400")
     engine.start()
-    server = _server(app, cfg, details)
+    server = _server(app, engine, cfg, details)
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot bind (after logging why)
@@ -165,6 +203,8 @@ def run(cfg: ServeConfig) -> None:
             raise
     finally:
         app.state.closing = True
+        if server.abort_timer is not None:
+            server.abort_timer.cancel()
         engine.shutdown()
     if not server.started:
         raise OSError(f"could not listen on {cfg.host}:{cfg.port} (see the message above)")

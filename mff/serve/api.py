@@ -60,6 +60,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mff.serve.errors import ERROR_TYPES, ApiError, engine_error, error_response, validation_error
 from mff.serve.logprobs import chat_logprobs, completion_logprobs
@@ -94,23 +95,21 @@ class Job:
         self.added: list[Choice] = []
 
     def submit(self) -> None:
-        """Add every choice's request to the engine; on a refusal the ones added are aborted.
+        """Add every choice's request to the engine, all or none (:meth:`Engine.add_requests`).
 
         Raises:
             ApiError: 400 (the engine's ValueError), 429 (QueueFullError), 503 (shutting down).
         """
-        for c in self.choices:
-            def on_output(out: RequestOutput, i: int = c.index) -> None:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
-            try:
-                self.engine.add_request(c.req, on_output)
-            except QueueFullError as e:
-                self.abort()
-                raise ApiError(429, str(e)) from None
-            except ValueError as e:
-                self.abort()
-                raise engine_error(e) from None
-            self.added.append(c)
+        def sink(i: int) -> Callable[[RequestOutput], None]:
+            return lambda out: self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, out))
+
+        try:
+            self.engine.add_requests([(c.req, sink(c.index)) for c in self.choices])
+        except QueueFullError as e:
+            raise ApiError(429, str(e)) from None
+        except ValueError as e:
+            raise engine_error(e) from None
+        self.added = list(self.choices)
 
     def abort(self) -> None:
         """Abort every added request that has not finished (thread-safe, idempotent)."""
@@ -212,17 +211,20 @@ def _error_body(e: ApiError) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- app
-def build_app(engine, text, model_name: str, *, request_timeout_s: float | None = 600.0) -> FastAPI:
+def build_app(engine, text, model_name: str, *, request_timeout_s: float | None = 600.0,
+              max_body_bytes: int = 32_000_000) -> FastAPI:
     """The FastAPI app serving ``engine`` (an :class:`mff.serve.engine.Engine`, started by the
     caller, who also shuts it down) as ``model_name``.
 
     ``text``: the checkpoint's :class:`mff.ckpt.tokenizer_files.TextAssets` (``tokenizer`` not
     None). ``request_timeout_s``: a request still generating after this many seconds is aborted
-    (504; None: no limit). Set ``app.state.closing = True`` when the server starts shutting down:
-    new requests then get 503 (the app's lifespan shutdown sets it too).
+    (504; None: no limit). ``max_body_bytes``: a larger request body gets 413. Set
+    ``app.state.closing = True`` when the server starts shutting down: new requests then get 503
+    (the app's lifespan shutdown sets it too).
 
     Raises:
-        ValueError: ``text`` has no tokenizer, an empty ``model_name``, a ``request_timeout_s`` <= 0.
+        ValueError: ``text`` has no tokenizer, an empty ``model_name``, a ``request_timeout_s`` <= 0,
+            a ``max_body_bytes`` < 1.
     """
     if text.tokenizer is None:
         raise ValueError("build_app: the checkpoint has no tokenizer (TextAssets.tokenizer is None)")
@@ -230,15 +232,18 @@ def build_app(engine, text, model_name: str, *, request_timeout_s: float | None 
         raise ValueError(f"build_app: model_name {model_name!r} must be a non-empty string")
     if request_timeout_s is not None and not (0 < request_timeout_s < math.inf):
         raise ValueError(f"build_app: request_timeout_s {request_timeout_s!r} must be a finite number > 0 (or None)")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"build_app: max_body_bytes {max_body_bytes!r} must be an int >= 1")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         app.state.closing = True
 
-    app = FastAPI(title="mff", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="mff", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.codec, app.state.model_name = engine, Codec(text, engine.vocab_size), model_name
     app.state.request_timeout_s, app.state.closing, app.state.created = request_timeout_s, False, int(time.time())
+    app.state.max_body_bytes = max_body_bytes
     _install_error_handlers(app)
     _install_info_routes(app)
     _install_token_routes(app)
@@ -260,16 +265,52 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         message = f"{request.method} {request.url.path}: {e.detail}"
-        return error_response(e.status_code, message)
+        response = error_response(e.status_code, message)
+        response.headers.update(e.headers or {})  # 405's Allow
+        return response
+
+
+OFF_LOOP_BYTES = 64_000
+"""Bodies (and texts) larger than this are parsed and tokenized on a worker thread, so that a big
+request does not hold up the event loop (other streams, /health)."""
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
-    """The request body validated as ``model``. Raises a 400 ApiError naming the first bad field."""
-    raw = await request.body()
+    """The request body validated as ``model``.
+
+    Raises:
+        ApiError: 413 for a body over ``app.state.max_body_bytes`` (by its Content-Length, or
+            counted while reading), 400 naming the first bad field, 400 when the client went
+            away before sending the whole body.
+    """
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body of {int(declared)} bytes is larger than the server's limit of {limit} bytes (--max-body-mb)")
+    chunks, size = [], 0
     try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is larger than the server's limit of {limit} bytes (--max-body-mb)")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client disconnected before sending the whole request body") from None
+    raw = b"".join(chunks)
+    try:
+        if len(raw) > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(model.model_validate_json, raw)
         return model.model_validate_json(raw)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+
+
+async def _off_loop(request: Request, fn: Callable, *args):
+    """``fn(*args)``, on a worker thread when the request body is large (:data:`OFF_LOOP_BYTES`)."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _start(app: FastAPI, model: str | None) -> float:
@@ -339,13 +380,17 @@ def _install_token_routes(app: FastAPI) -> None:
         """``{"prompt"}`` or ``{"messages"}`` -> ``{"count", "max_model_len", "tokens", "token_strs"}``."""
         body = await parse_body(request, TokenizeRequest)
         _start(app, body.model)
-        if body.prompt is not None:
-            ids = codec.encode(body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
-        else:
-            rendered = codec.render_chat([m.for_template() for m in body.messages], body.add_generation_prompt)
-            ids = codec.encode(rendered, bool(body.add_special_tokens))
-        return {"count": len(ids), "max_model_len": app.state.engine.max_model_len, "tokens": ids,
-                "token_strs": [codec.token_str(i) for i in ids] if body.return_token_strs else None}
+
+        def work() -> dict:
+            if body.prompt is not None:
+                ids = codec.encode(body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
+            else:
+                rendered = codec.render_chat([m.for_template() for m in body.messages], body.add_generation_prompt)
+                ids = codec.encode(rendered, bool(body.add_special_tokens))
+            return {"count": len(ids), "max_model_len": app.state.engine.max_model_len, "tokens": ids,
+                    "token_strs": [codec.token_str(i) for i in ids] if body.return_token_strs else None}
+
+        return JSONResponse(await _off_loop(request, work))
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -411,7 +456,7 @@ def _install_completions(app: FastAPI) -> None:
     async def completions(request: Request):
         body: CompletionRequest = await parse_body(request, CompletionRequest)
         deadline = _start(app, body.model)
-        prompts = _completion_prompts(body, codec)
+        prompts = await _off_loop(request, _completion_prompts, body, codec)
         max_len = app.state.engine.max_model_len
 
         def limit(p: int, n: int) -> int:
@@ -433,7 +478,9 @@ def _install_completions(app: FastAPI) -> None:
                                              lambda: _usage_tail(head, body, prompt_tokens, job)), media_type="text/event-stream")
         if not await _collect(app, job, request, deadline):
             return Response(status_code=499)
-        return JSONResponse(dict(head, choices=[_completion_choice(codec, body, c) for c in choices], usage=_usage(prompt_tokens, choices)))
+        # on a worker thread: echo with logprobs can make a response of many MB
+        return await asyncio.to_thread(lambda: JSONResponse(dict(head, choices=[_completion_choice(codec, body, c) for c in choices],
+                                                                  usage=_usage(prompt_tokens, choices))))
 
 
 def _completion_choice(codec: Codec, body: CompletionRequest, c: Choice) -> dict:
@@ -446,7 +493,7 @@ def _completion_choice(codec: Codec, body: CompletionRequest, c: Choice) -> dict
             ids, entries = list(c.req.prompt_ids) + ids, list(c.prompt_logprobs or [None] * len(c.req.prompt_ids)) + entries
         logprobs = completion_logprobs(codec, ids, entries)
     return {"index": c.index, "text": (c.prompt_text if body.echo else "") + text, "logprobs": logprobs,
-            "finish_reason": c.final_reason(codec), "stop_reason": None}
+            "finish_reason": c.final_reason(codec), "stop_reason": c.stop_reason(codec)}
 
 
 def _completion_chunk(head: dict, codec: Codec, body: CompletionRequest, c: Choice, job: Job, prompt_tokens: int) -> dict | None:
@@ -468,7 +515,7 @@ def _completion_chunk(head: dict, codec: Codec, body: CompletionRequest, c: Choi
         logprobs = completion_logprobs(codec, ids, entries, c.offset)
         c.offset += sum(len(t) for t in logprobs["tokens"])
     choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.final_reason(codec) if c.finished else None,
-              "stop_reason": None}
+              "stop_reason": c.stop_reason(codec)}
     out = dict(head, choices=[choice])
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         out["usage"] = _usage(prompt_tokens, job.choices)
@@ -490,15 +537,19 @@ def _install_chat(app: FastAPI) -> None:
     async def chat(request: Request):
         body: ChatRequest = await parse_body(request, ChatRequest)
         deadline = _start(app, body.model)
-        rendered = codec.render_chat(body.template_messages(), body.add_generation_prompt)
-        ids = codec.encode(rendered, add_special_tokens=False)
+
+        def render() -> tuple[str, list[int]]:
+            text = codec.render_chat(body.template_messages(), body.add_generation_prompt)
+            return text, codec.encode(text, add_special_tokens=False)
+
+        rendered, ids = await _off_loop(request, render)
         if not ids:
             raise ApiError(400, "messages render to an empty prompt", "messages")
         max_len = app.state.engine.max_model_len
 
         def limit(p: int, n: int) -> int:
             try:
-                return check_context(n, body.token_limit(), max_len, "the rendered messages")
+                return check_context(n, body.token_limit(), max_len, "the rendered conversation")
             except ValueError as e:
                 limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
                 raise ApiError(400, str(e), "messages" if n >= max_len else limit_field) from None
@@ -517,14 +568,15 @@ def _install_chat(app: FastAPI) -> None:
         if not await _collect(app, job, request, deadline):
             return Response(status_code=499)
         head = {"id": rid, "object": "chat.completion", "created": created, "model": app.state.model_name}
-        return JSONResponse(dict(head, choices=[_chat_choice(codec, body, c) for c in choices], usage=_usage(len(ids), choices)))
+        return await asyncio.to_thread(lambda: JSONResponse(dict(head, choices=[_chat_choice(codec, body, c) for c in choices],
+                                                                  usage=_usage(len(ids), choices))))
 
 
 def _chat_choice(codec: Codec, body: ChatRequest, c: Choice) -> dict:
     text, _ = c.text(codec)
     return {"index": c.index, "message": {"role": "assistant", "content": text},
             "logprobs": chat_logprobs(codec, c.logprobs) if body.logprobs else None, "finish_reason": c.final_reason(codec),
-            "stop_reason": None}
+            "stop_reason": c.stop_reason(codec)}
 
 
 def _chat_chunk(head: dict, codec: Codec, body: ChatRequest, c: Choice, job: Job, prompt_tokens: int) -> dict | None:
@@ -537,7 +589,7 @@ def _chat_chunk(head: dict, codec: Codec, body: ChatRequest, c: Choice, job: Job
         return None
     choice = {"index": c.index, "delta": {"content": text} if text else {},
               "logprobs": chat_logprobs(codec, new) if body.logprobs else None,
-              "finish_reason": c.final_reason(codec) if c.finished else None, "stop_reason": None}
+              "finish_reason": c.final_reason(codec) if c.finished else None, "stop_reason": c.stop_reason(codec)}
     out = dict(head, choices=[choice])
     if body.stream_options is not None and body.stream_options.continuous_usage_stats:
         out["usage"] = _usage(prompt_tokens, job.choices)

@@ -19,6 +19,7 @@ batch-1 ones; on a near tie that can change a token, as in any batching server.)
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import deque
@@ -117,7 +118,8 @@ class Engine:
         self._live: dict[str, Seq] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._seed_gen = torch.Generator().manual_seed(0)
+        # requests without a seed draw one from here: seeded from the OS, so runs differ (as OpenAI's and vLLM's do)
+        self._seed_gen = torch.Generator().manual_seed(secrets.randbits(63))
         self._stats_lock = threading.Lock()  # metrics() reads what the engine thread appends
         self._token_times: deque[tuple[float, int]] = deque()
         self._ttft: deque[float] = deque(maxlen=1000)
@@ -160,13 +162,44 @@ class Engine:
 
     def add_request(self, req: EngineRequest, on_output: Callable[[RequestOutput], None]) -> None:
         """Queue ``req``; ``on_output`` receives its outputs (called on the engine's thread: it must
-        not block). Thread-safe.
+        not block). Thread-safe. :meth:`add_requests` with one request (same errors)."""
+        self.add_requests([(req, on_output)])
+
+    def add_requests(self, items: Sequence[tuple[EngineRequest, Callable[[RequestOutput], None]]]) -> None:
+        """Queue several requests (the choices of one HTTP request) all at once or none of them.
+        Each ``on_output`` is called on the engine's thread and must not block. Thread-safe.
 
         Raises:
-            ValueError: a bad request (:meth:`check`), a ``request_id`` already in the engine, an
-                engine that is shutting down.
-            QueueFullError: ``max_waiting`` requests are already queued.
+            ValueError: a bad request (:meth:`check`), a ``request_id`` already in the engine or
+                given twice, more requests than ``max_waiting`` (they could never wait together),
+                an engine that is shutting down.
+            QueueFullError: the requests do not fit beside the ones already waiting (``max_waiting``).
         """
+        seqs = [self._new_seq(req, on_output) for req, on_output in items]
+        n, cap = len(seqs), self.config.max_waiting
+        if n > cap:
+            raise ValueError(f"{n} choices in one request (prompts x n) is more than the {cap} requests the server lets wait "
+                             "at once (--engine.max-waiting); send fewer choices per request")
+        ids = [s.req.request_id for s in seqs]
+        if len(set(ids)) != n:
+            raise ValueError(f"request_ids {ids} are not all different")
+        with self._lock:
+            if self._stopping:
+                raise ValueError("the engine is shutting down")
+            dup = next((i for i in ids if i in self._live), None)
+            if dup is not None:
+                raise ValueError(f"request_id {dup!r} is already in the engine")
+            queued = len(self.scheduler.waiting) + len(self._inbox)
+            if queued + n > cap:
+                raise QueueFullError(f"{queued} {'request is' if queued == 1 else 'requests are'} waiting and this one adds {n}, "
+                                     f"more than --engine.max-waiting {cap}; retry later")
+            for seq in seqs:
+                self._live[seq.req.request_id] = seq
+                self._inbox.append(seq)
+            self._lock.notify()
+
+    def _new_seq(self, req: EngineRequest, on_output: Callable[[RequestOutput], None]) -> Seq:
+        """A checked request's sequence state (its sampling generator and seen-token mask)."""
         self.check(req)
         if req.sampling.greedy:
             gen = None
@@ -176,18 +209,8 @@ class Engine:
         seen = (seen_mask_from_ids(torch.tensor([list(req.prompt_ids)], device=self.device), self.vocab_size)
                 if req.sampling.repetition_penalty != 1.0 else None)
         stop = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else self.eos_token_ids)
-        seq = Seq(req=req, on_output=on_output, tokens=list(req.prompt_ids), stop_ids=stop, generator=gen, seen=seen,
-                  num_prompt=len(req.prompt_ids), prompt_logprobs=[None] if req.prompt_logprobs is not None else None)
-        with self._lock:
-            if self._stopping:
-                raise ValueError("the engine is shutting down")
-            if req.request_id in self._live:
-                raise ValueError(f"request_id {req.request_id!r} is already in the engine")
-            if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting:
-                raise QueueFullError(f"{self.config.max_waiting} requests are waiting (--engine.max-waiting); retry later")
-            self._live[req.request_id] = seq
-            self._inbox.append(seq)
-            self._lock.notify()
+        return Seq(req=req, on_output=on_output, tokens=list(req.prompt_ids), stop_ids=stop, generator=gen, seen=seen,
+                   num_prompt=len(req.prompt_ids), prompt_logprobs=[None] if req.prompt_logprobs is not None else None)
 
     def abort(self, request_id: str) -> None:
         """End the request (``finish_reason`` ``abort``) at the next step and free its blocks; an

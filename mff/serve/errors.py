@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 __all__ = ["ApiError", "ERROR_TYPES", "error_response", "validation_error", "engine_error"]
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error",
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                500: "internal_error", 503: "service_unavailable", 504: "timeout_error"}
 class ApiError(Exception):
     """An HTTP error with an OpenAI error object: ``status``, ``message``, the request field ``param``."""
@@ -84,5 +84,7 @@ def engine_error(e: ValueError) -> ApiError:
     text = str(e)
     if "shutting down" in text:
         return ApiError(503, "the server is shutting down")
+    if "cache blocks" in text:  # the prompt + max_tokens do not fit the KV cache
+        return ApiError(400, text, "max_tokens")
     m = _FIELD.match(text)
     return ApiError(400, text, m.group(1) if m and m.group(1) not in ("the",) else None)

@@ -61,14 +61,14 @@ class _Sampling(_Strict):
     model: str | None = None
     """The served model's name (``GET /v1/models``); another name is a 404. Optional."""
     temperature: float = Field(1.0, ge=0.0)
-    """Sampling temperature; 0 = greedy."""
+    """Sampling temperature; below 1e-5 (0 included) greedy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus mass in (0, 1]; 1 = off."""
     top_k: int = Field(0, ge=-1)
     """Keep the k most likely tokens; 0 or -1 (vLLM's spelling) = off."""
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     """Drop tokens below min_p x the top probability; 0 = off."""
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=1e-4, le=1e4)
     """CTRL penalty on tokens already seen (prompt included); 1 = off."""
     presence_penalty: float = 0.0
     """Accepted for client compatibility; only 0 (off) is served."""
@@ -263,13 +263,16 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, w
         ValueError: naming both numbers, when ``prompt_len + max_tokens`` exceeds ``max_model_len``
             (or the prompt alone fills it and no ``max_tokens`` is given).
     """
+    def tokens(n: int) -> str:
+        return f"{n} token" if n == 1 else f"{n} tokens"
+
     if max_tokens is None:
         if prompt_len >= max_model_len:
-            raise ValueError(f"{where} has {prompt_len} tokens but the model's context is {max_model_len} tokens; "
+            raise ValueError(f"{where} has {tokens(prompt_len)} but the model's context is {max_model_len} tokens; "
                              "shorten the prompt")
         return max_model_len - prompt_len
     if prompt_len + max_tokens > max_model_len:
-        raise ValueError(f"{where} has {prompt_len} tokens and max_tokens is {max_tokens}: {prompt_len + max_tokens} tokens, "
+        raise ValueError(f"{where} has {tokens(prompt_len)} and max_tokens is {max_tokens}: {prompt_len + max_tokens} tokens, "
                          f"more than the model's context of {max_model_len} tokens; shorten the prompt or lower max_tokens")
     return max_tokens
 

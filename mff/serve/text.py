@@ -147,6 +147,21 @@ class Choice:
         """``stop`` or ``length`` (a stop string found in the text counts as ``stop``)."""
         return "stop" if self.finish_reason == "stop" or self.text(codec)[1] else self.finish_reason
 
+    def stop_reason(self, codec: Codec) -> str | int | None:
+        """vLLM's ``stop_reason`` of a finished choice: the stop string that ended the text (the
+        earliest in the text; the first listed among those starting there), else the id from
+        ``stop_token_ids`` it emitted last, else None (an EOS, ``length``, or not finished)."""
+        if not self.finished:
+            return None
+        if self.stops:
+            text = codec.decode(self._visible())
+            cut = find_stop(text, self.stops)
+            if cut is not None:
+                return next(s for s in self.stops if text.startswith(s, cut))
+        if self.finish_reason == "stop" and self.ids and self.ids[-1] in self.req.stop_token_ids:
+            return self.ids[-1]
+        return None
+
     def delta(self, codec: Codec) -> str:
         """The text not streamed yet that may be streamed now (see the module docstring)."""
         text, stopped = self.text(codec)
