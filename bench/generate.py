@@ -5,7 +5,8 @@
 For each benchmark config (``bench/configs.py``: qwen3_bench, deepseek3_bench) the same random
 weights run in HF transformers (fp32, greedy ``generate``) and in mff (greedy
 :func:`mff.generate.generate`: fp32 eager, and fp32 and bf16 weights with the compiled decode
-step, and bf16 eager), batch 1, interleaved in one process, median of ``--repeats`` after one
+step, and bf16 eager; the eager rows on :func:`mff.generate.decode_layout` weights, as the
+``generate`` recipe runs them), batch 1, interleaved in one process, median of ``--repeats`` after one
 warm-up each (the warm-up pays the compile time, about 20 s per model and dtype on 2 cores).
 Tokens/s counts new tokens over the whole call (prefill included). The bandwidth limit is the
 memory bandwidth measured in the same run (a streaming read of a 512 MB buffer) divided by the
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mff  # noqa: E402
 from bench.configs import CONFIGS  # noqa: E402
-from mff.generate import generate  # noqa: E402
+from mff.generate import decode_layout, generate  # noqa: E402
 
 
 def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
@@ -73,6 +74,7 @@ def bench_config(name: str, family: str, cfg, args, bandwidth: float) -> list[di
         mff.save_hf(model, params, Path(d) / "hf")
         hf = transformers.AutoModelForCausalLM.from_pretrained(Path(d) / "hf", dtype=torch.float32).eval()
     bf16 = model.cast(params, torch.bfloat16)
+    eager32, eager16 = decode_layout(params), decode_layout(bf16)  # as the generate recipe lays out eager weights
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     n = args.new_tokens
 
@@ -84,9 +86,9 @@ def bench_config(name: str, family: str, cfg, args, bandwidth: float) -> list[di
     fp32_bytes = sum(t.numel() * t.element_size() for t in params.values())
     bf16_bytes = sum(t.numel() * t.element_size() for t in bf16.values())
     runs = {"HF fp32": run_hf,
-            "mff fp32 eager": lambda: generate(model, params, ids, n),
+            "mff fp32 eager": lambda: generate(model, eager32, ids, n),
             "mff fp32 compiled": lambda: generate(model, params, ids, n, compile=True),
-            "mff bf16 eager": lambda: generate(model, bf16, ids, n),
+            "mff bf16 eager": lambda: generate(model, eager16, ids, n),
             "mff bf16 compiled": lambda: generate(model, bf16, ids, n, compile=True)}
     weight_bytes = {k: (bf16_bytes if "bf16" in k else fp32_bytes) for k in runs}
     read_bytes = {k: bytes_read_per_token(bf16 if "bf16" in k else params, cfg) for k in runs}

@@ -26,6 +26,11 @@ same random weights (mff's ``model.init(seed=0)``, written with ``mff.save_hf`` 
   weights, so the experts stay fp32 under autocast).
 - ``mff-bf16``, ``mff-bf16-compile``: ``train_step(..., precision="bf16-mixed")`` (fp32 master
   params and state, bf16 compute), eager or compiled.
+- ``tt-fp32``, ``tt-bf16``: torchtitan 0.3.0's Qwen3 / DeepSeek-V3 model on the same HF weights
+  (:mod:`bench.torchtitan_peer`: what it needs to run on CPU, SDPA attention, its experts in bf16
+  even in fp32), cross entropy of the fp32 logits, the same AdamW and clipping, the bf16 row under
+  ``torch.autocast`` (torchtitan's mixed precision without FSDP). When torchtitan does not import,
+  these rows say why.
 
 Each (config, row) runs in its own subprocess (``--threads`` torch threads), so its peak RSS
 (``ru_maxrss``, the whole process: weights, optimizer state, activations, compile caches) is its
@@ -40,9 +45,10 @@ the matmul peak of the row's compute dtype (fp32 rows: fp32 peak; bf16 rows: bf1
 measured in this run: the best of several 2048x2048 @ 2048x2048 matmuls per dtype with the
 same thread count, in a child at the start and again at the end (the better one is used).
 
-Targets of issue 6, reported and not asserted: fp32 mff >= 1.0x HF fp32 on qwen3_bench and
->= 1.3x on deepseek3_bench; bf16-mixed mff >= 2.5x HF fp32; mff peak RSS <= HF's (the HF row of
-the same precision when it ran, else HF fp32).
+Targets of issue 19, reported and not asserted: fp32 mff >= 1.0x HF fp32 on qwen3_bench and
+>= 1.3x on deepseek3_bench; bf16-mixed mff >= 2.0x HF fp32 and >= 1.4x HF bf16 autocast; ahead of
+torchtitan in the same precision; mff peak RSS <= HF's (the HF row of the same precision when it
+ran, else HF fp32).
 
 Loss check: before training, each child computes the loss of the initial weights on the same
 targets (HF: ``shift_labels`` = the seq targets mff uses; mff: the lm term of
@@ -69,10 +75,13 @@ ROWS = {  # row -> (implementation, precision, compile)
     "hf-bf16": ("HF transformers autocast", "bf16", False),
     "mff-bf16": ("mff eager", "bf16-mixed", False),
     "mff-bf16-compile": ("mff compiled", "bf16-mixed", True),
+    "tt-fp32": ("torchtitan 0.3.0", "fp32", False),
+    "tt-bf16": ("torchtitan 0.3.0 autocast", "bf16", False),
 }
 CONFIG_NAMES = ("qwen3_bench", "deepseek3_bench")  # bench/configs.py's CONFIGS (the parent does not import torch)
-FP32_TARGET = {"qwen3_bench": 1.0, "deepseek3_bench": 1.3}
-BF16_TARGET = 2.5
+FP32_TARGET = {"qwen3_bench": 1.0, "deepseek3_bench": 1.3}  # x HF fp32 (issue 19)
+BF16_TARGET = 2.0  # best bf16-mixed mff row, x HF fp32
+BF16_AUTOCAST_TARGET = 1.4  # best bf16-mixed mff row, x HF bf16 autocast
 LR, BETAS, WEIGHT_DECAY, MAX_GRAD_NORM = 3e-4, (0.9, 0.95), 0.1, 1.0
 RESULT = "RESULT "
 
@@ -204,6 +213,51 @@ def child_mff(job: dict) -> dict:
     return step, {"check_loss": check, "note": f"grouped_mm {ops.names['grouped_mm']}" if getattr(cfg, "n_routed_experts", 0) else ""}
 
 
+def child_tt(job: dict) -> dict:
+    """torchtitan's model (:mod:`bench.torchtitan_peer`) on the same weights and tokens: fp32, or
+    the forward under bf16 autocast (torchtitan's mixed precision without FSDP); the loss is
+    torchtitan's (cross entropy of the fp32 logits, seq targets per row)."""
+    torch = _setup(job["threads"])
+    import contextlib
+
+    import torch.nn.functional as F
+
+    from bench import torchtitan_peer
+    from bench.configs import CONFIGS
+
+    reason = torchtitan_peer.available()
+    if reason is not None:
+        raise RuntimeError(f"torchtitan does not import here ({reason}); see bench/torchtitan_peer.py for what it needs")
+    family, cfg = CONFIGS[job["config"]]
+    model = torchtitan_peer.build(family, cfg, Path(job["dir"]) / job["config"])
+    model.train()
+    ids = _token_ids(torch, cfg.vocab_size, job["batch"], job["seq"])
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    bf16 = job["precision"] == "bf16"
+
+    def ctx():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+    def loss_of() -> torch.Tensor:
+        with ctx():
+            logits = model(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    with torch.no_grad():
+        check = float(loss_of())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, foreach=True)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        opt.step()
+        return float(loss.detach())
+
+    return step, {"check_loss": check, "note": "sdpa; experts torch._grouped_mm in bf16" if getattr(cfg, "n_routed_experts", 0) else "sdpa"}
+
+
 def serve(step, info: dict) -> None:
     """Run steps on command: the parent writes ``step`` (one training step, answered with
     ``TIME <seconds> <loss>``) or ``done`` (answered with the RESULT line: peak RSS and ``info``)."""
@@ -221,8 +275,8 @@ def serve(step, info: dict) -> None:
 
 
 def run_child(job: dict) -> None:
-    if job["kind"] in ("hf", "mff"):
-        serve(*{"hf": child_hf, "mff": child_mff}[job["kind"]](job))
+    if job["kind"] in ("hf", "mff", "tt"):
+        serve(*{"hf": child_hf, "mff": child_mff, "tt": child_tt}[job["kind"]](job))
         return
     fn = {"peak": child_peak, "prep": child_prep}[job["kind"]]
     print(RESULT + json.dumps(fn(job)), flush=True)
@@ -317,15 +371,27 @@ def median(xs: list[float]) -> float:
 
 
 def targets(name: str, row: str, r: dict, res: dict) -> str:
-    """The issue's targets for an mff row, each met / not met."""
+    """Issue 19's targets for an mff row, each met / not met: fp32 rows against HF fp32 (x
+    :data:`FP32_TARGET`) and torchtitan fp32 (ahead); bf16-mixed rows against HF fp32 (x
+    :data:`BF16_TARGET`), HF bf16 autocast (x :data:`BF16_AUTOCAST_TARGET`) and torchtitan bf16
+    (ahead); peak RSS against the HF row of the same precision (HF fp32 when that did not run)."""
     if not row.startswith("mff") or "tps" not in r:
         return ""
-    hf = res.get((name, "hf-fp32"), {})
+
+    def tps(other: str) -> float | None:
+        return res.get((name, other), {}).get("tps")
+
     out = []
-    if "tps" in hf:
-        goal = FP32_TARGET[name] if r["precision"] == "fp32" else BF16_TARGET
-        out.append(f">= {goal}x HF fp32: {'met' if r['tps'] >= goal * hf['tps'] else 'not met'}")
-    ref_row = "hf-bf16" if r["precision"] != "fp32" and "rss_mb" in res.get((name, "hf-bf16"), {}) else "hf-fp32"
+    fp32 = r["precision"] == "fp32"
+    checks = ([("HF fp32", "hf-fp32", FP32_TARGET[name]), ("torchtitan fp32", "tt-fp32", None)] if fp32 else
+              [("HF fp32", "hf-fp32", BF16_TARGET), ("HF bf16", "hf-bf16", BF16_AUTOCAST_TARGET), ("torchtitan bf16", "tt-bf16", None)])
+    for label, other, goal in checks:
+        if tps(other):
+            if goal is None:
+                out.append(f"> {label}: {'met' if r['tps'] > tps(other) else 'not met'}")
+            else:
+                out.append(f">= {goal}x {label}: {'met' if r['tps'] >= goal * tps(other) else 'not met'}")
+    ref_row = "hf-bf16" if not fp32 and "rss_mb" in res.get((name, "hf-bf16"), {}) else "hf-fp32"
     ref = res.get((name, ref_row), {})
     if "rss_mb" in ref:
         out.append(f"RSS <= {ref_row}: {'met' if r['rss_mb'] <= ref['rss_mb'] else 'not met'}")
@@ -402,7 +468,8 @@ def main() -> None:
 
     print("loss check (initial weights, the same targets):")
     for name in args.configs:
-        for hf_row, mff_row, tol in (("hf-fp32", "mff-fp32", 1e-4), ("hf-bf16", "mff-bf16", 5e-2)):
+        for hf_row, mff_row, tol in (("hf-fp32", "mff-fp32", 1e-4), ("hf-bf16", "mff-bf16", 5e-2), ("tt-fp32", "mff-fp32", 2e-2),
+                                     ("tt-bf16", "mff-bf16", 5e-2)):
             a, b = res.get((name, hf_row), {}), res.get((name, mff_row), {})
             if "check_loss" in a and "check_loss" in b:
                 diff = abs(a["check_loss"] - b["check_loss"])

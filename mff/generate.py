@@ -20,7 +20,7 @@ import torch
 from mff.model import Model
 from mff.sampling import SamplingConfig, mark_seen, sample, seen_mask_from_ids
 
-__all__ = ["cache_bucket", "generate", "greedy_generate"]
+__all__ = ["cache_bucket", "decode_layout", "generate", "greedy_generate"]
 
 
 def _ids(x: int | Iterable[int] | None, name: str = "eos_token_id") -> list[int]:
@@ -179,6 +179,28 @@ def _summary(step_times: list[float]) -> dict[str, float]:
     out = {"steps": len(step_times), "first_step_s": step_times[0]}
     if later:
         out["step_s"] = later[len(later) // 2]
+    return out
+
+
+def decode_layout(params: Mapping[str, torch.Tensor], on_cpu_only: bool = True) -> dict[str, torch.Tensor]:
+    """``params`` laid out for eager decoding: each 2-D projection weight ``W`` [out, in] (every
+    2-D ``*.weight`` but the token embedding, which is looked up by rows) becomes the transposed
+    view of a contiguous ``W^T`` [in, out] copy. Shapes, dtypes and values are unchanged, so the
+    model code is too; ``F.linear(x, W)`` then runs as ``x @ W^T`` over a row-major right operand,
+    the layout the CPU BLAS (MKL) streams fastest in a batch-1 mat-vec (measured 18% less time per
+    eager decode step on ``qwen3_bench`` with 1 thread, README "Performance"). With
+    ``on_cpu_only`` (default) tensors on other devices are kept as they are.
+
+    Returns a new dict (other params are the same tensor objects); the transposed copies take as
+    much memory as the weights they replace, whose memory is freed once nothing else holds them.
+    Meant for inference (``generate``, serving): the params of training keep their own layout.
+    """
+    out = {}
+    for k, v in params.items():
+        if (v.dim() == 2 and k.endswith(".weight") and k != "model.embed_tokens.weight" and v.is_contiguous()
+                and (v.device.type == "cpu" or not on_cpu_only)):
+            v = v.t().contiguous().t()
+        out[k] = v
     return out
 
 

@@ -83,7 +83,9 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE))
-def test_a_hostile_template_is_one_error_line_within_the_limits(name):
+def test_a_hostile_template_is_one_error_line_within_the_limits(name, monkeypatch):
+    # each case's own limit must stop it, not the 10 s clock on a loaded machine (the time limit has its own test)
+    monkeypatch.setattr(jinja_sandbox, "MAX_RENDER_SECONDS", 60.0)
     template, reason = HOSTILE[name]
     t0 = time.monotonic()
     with pytest.raises(TemplateRenderError) as e:
@@ -112,7 +114,7 @@ def test_adding_many_lists_is_linear_and_a_namespace_may_hold_itself():
     t0 = time.monotonic()
     out = render_chat_template("{{ (range(100000) | map('string') | map('list') | list) | sum(start=[]) | length }}"
                                "{% set ns = namespace() %}{% set ns.me = ns %}{{ [ns, ns] | length }}", MESSAGES)
-    assert out == "4888902" and time.monotonic() - t0 < 5
+    assert out == "4888902" and time.monotonic() - t0 < 30  # linear: ~1 s; quadratic copying would take minutes
 
 
 def test_templates_real_models_use_still_render():

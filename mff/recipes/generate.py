@@ -26,7 +26,7 @@ from mff.backend import local_device, resolve_device
 from mff.ckpt.tokenizer_files import read_chat_template_file
 from mff.data.chat import render_chat_template
 from mff.decode_timing import break_even_tokens, read_record, record_path, update_record
-from mff.generate import cache_bucket, generate
+from mff.generate import cache_bucket, decode_layout, generate
 from mff.peft.load import load_with_text
 from mff.recipes.common import refuse_pipeline, run_recipe_main
 from mff.sampling import SamplingConfig
@@ -150,6 +150,8 @@ def run(cfg: GenerateConfig) -> str:
                           "bucket": cache_bucket(len(ids) + cfg.max_new_tokens, model.config.max_position_embeddings),
                           "threads": torch.get_num_threads(), "torch": torch.__version__})
     compiled, note = _pick_compile(cfg, record)
+    if not compiled:
+        params = decode_layout(params)  # eager mat-vecs read W^T row-major (the loaded weights are freed)
     timings: dict[str, float] = {}
     generate(model, params, torch.tensor([ids], device=device), cfg.max_new_tokens, sampling=sampling,
              eos_token_id=text.eos_ids, seed=cfg.seed, on_token=stream, compile=compiled, timings=timings)
