@@ -339,8 +339,9 @@ class Experts(nn.Module):
         return _grouped_experts(x_ND, w_NK, idx_NK, gather(self.gate_up_proj), gather(self.down_proj), self._lora())
 
     def _gathered(self, x_ND: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Few token slots (decoding): gather each slot's expert weights and use batched
-        mat-vecs. No host sync (no group sizes needed), and only the chosen experts are read."""
+        """Few token slots (decoding): each slot's expert weights and batched mat-vecs (on an
+        accelerator: gathered, no host sync; on a CPU: read in place, one mat-vec per slot).
+        Only the chosen experts are read."""
         N, D = x_ND.shape
         K = idx_NK.shape[1]
         flat = idx_NK.reshape(-1)
@@ -353,6 +354,14 @@ class Experts(nn.Module):
             # fused by the compiler into one pass over the chosen experts' rows (no gathered copy)
             g, u = (x_SD[:, None, :] * w1[flat]).sum(-1).chunk(2, dim=-1)  # [S, I] each
             y = ((F.silu(g) * u)[:, None, :] * w2[flat]).sum(-1)  # [S, D]
+        elif x_SD.device.type == "cpu":
+            # eagerly on a CPU: one mat-vec per slot on its expert's weights in place; the indexing
+            # below would copy the chosen experts' weights first (a host sync here costs nothing)
+            rows = []
+            for s, e in enumerate(flat.tolist()):
+                g, u = F.linear(x_SD[s], w1[e]).chunk(2, dim=-1)  # [I] each
+                rows.append(F.linear(F.silu(g) * u, w2[e]))
+            y = torch.stack(rows)  # [S, D]
         else:
             g, u = torch.bmm(x_SD[:, None, :], w1[flat].transpose(1, 2)).chunk(2, dim=-1)  # [S, 1, I]
             y = torch.bmm(F.silu(g) * u, w2[flat].transpose(1, 2)).squeeze(1)  # [S, D]
