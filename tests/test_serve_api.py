@@ -417,6 +417,9 @@ def test_errors_name_the_numbers(server):
     assert "500" in long["message"] and "20" in long["message"] and "512" in long["message"] and long["param"] == "max_tokens"
     vocab = _post(server, "/v1/completions", {"prompt": [3, 512]}).json()["error"]
     assert "prompt[1]" in vocab["message"] and "512" in vocab["message"]
+    for prompt, where, got in (([1, -1], "prompt[1]", "-1"), ([[1, 2], [3, 2.5]], "prompt[1][1]", "2.5"), (["a", None], "prompt[1]", "null")):
+        item = _post(server, "/v1/completions", {"prompt": prompt}).json()["error"]
+        assert item["message"].startswith(where + ": expected") and f"(got {got})" in item["message"] and item["param"] == "prompt", item
     neg = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": -1}).json()["error"]
     assert neg["param"] == "max_tokens" and "-1" in neg["message"]
 

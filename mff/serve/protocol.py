@@ -14,6 +14,7 @@ Shapes and defaults follow the OpenAI API reference (``/v1/completions``,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
 
@@ -120,6 +121,38 @@ class CompletionRequest(_Sampling):
     """Accepted when empty; biasing logits is not supported."""
     suffix: str | None = None
     """Accepted when absent or empty; insertion is not supported."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_prompt_items(cls, data):
+        """Name the first bad element of a list prompt (``prompt[1]``, ``prompt[0][3]``), which the
+        union type alone reports only as "not one of the forms"."""
+        p = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(p, list) or not p:
+            return data
+
+        def token_id(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        def bad(where: str, x, expected: str):
+            raise ValueError(f"{where}: expected {expected} (got {json.dumps(x)[:80]})")
+
+        if isinstance(p[0], str):
+            for i, x in enumerate(p):
+                if not isinstance(x, str):
+                    bad(f"prompt[{i}]", x, "a string, as prompt[0] is")
+        elif isinstance(p[0], list):
+            for i, row in enumerate(p):
+                if not isinstance(row, list):
+                    bad(f"prompt[{i}]", row, "a list of token ids, as prompt[0] is")
+                for j, x in enumerate(row):
+                    if not token_id(x):
+                        bad(f"prompt[{i}][{j}]", x, "a token id (an integer >= 0)")
+        else:
+            for i, x in enumerate(p):
+                if not token_id(x):
+                    bad(f"prompt[{i}]", x, "a token id (an integer >= 0)")
+        return data
 
     @model_validator(mode="after")
     def _check_completion(self):
