@@ -354,9 +354,10 @@ class Experts(nn.Module):
             # fused by the compiler into one pass over the chosen experts' rows (no gathered copy)
             g, u = (x_SD[:, None, :] * w1[flat]).sum(-1).chunk(2, dim=-1)  # [S, I] each
             y = ((F.silu(g) * u)[:, None, :] * w2[flat]).sum(-1)  # [S, D]
-        elif x_SD.device.type == "cpu":
-            # eagerly on a CPU: one mat-vec per slot on its expert's weights in place; the indexing
-            # below would copy the chosen experts' weights first (a host sync here costs nothing)
+        elif x_SD.device.type == "cpu" and not torch.is_grad_enabled():
+            # decoding eagerly on a CPU: one mat-vec per slot on its expert's weights in place; the
+            # indexing below would copy the chosen experts' weights first (a host sync here costs
+            # nothing; with grads each slot's select would make a whole [E, ...] gradient)
             rows = []
             for s, e in enumerate(flat.tolist()):
                 g, u = F.linear(x_SD[s], w1[e]).chunk(2, dim=-1)  # [I] each
