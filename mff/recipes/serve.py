@@ -94,8 +94,8 @@ def _check(cfg: ServeConfig) -> None:
         raise ValueError(f"--request-timeout-s {cfg.request_timeout_s}: must be a finite number > 0")
     if not 0 <= cfg.shutdown_grace_s < math.inf:
         raise ValueError(f"--shutdown-grace-s {cfg.shutdown_grace_s}: must be a finite number >= 0")
-    if not 0 < cfg.max_body_mb < math.inf:
-        raise ValueError(f"--max-body-mb {cfg.max_body_mb}: must be a finite number > 0")
+    if not 1e-6 <= cfg.max_body_mb < math.inf:
+        raise ValueError(f"--max-body-mb {cfg.max_body_mb}: must be a finite number >= 1e-6 (one byte)")
     if cfg.model_name is not None and not cfg.model_name.strip():
         raise ValueError("--model-name is empty; give a name or leave it out")
     cfg.engine.validate()
