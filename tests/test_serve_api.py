@@ -464,6 +464,7 @@ def test_tokenize_detokenize_info_models_metrics(server):
     assert requests.get(server.base + "/health", timeout=30).status_code == 200
     text = requests.get(server.base + "/metrics", timeout=30).text
     assert re.search(r"^mff_serve_blocks_total 255\.0$", text, re.M) and "# TYPE mff_serve_generated_tokens_total counter" in text
+    assert "# HELP mff_serve_blocks_used KV-cache blocks held by requests." in text
     as_json = requests.get(server.base + "/metrics?format=json", timeout=30).json()
     assert as_json["blocks_total"] == 255
 

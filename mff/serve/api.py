@@ -357,18 +357,33 @@ def _install_info_routes(app: FastAPI) -> None:
 
 
 _COUNTERS = {"generated_tokens", "prefix_cache_hit_tokens", "preemptions", "steps"}
+_HELP = {
+    "running": "Requests running (holding cache blocks).",
+    "waiting": "Requests waiting to be scheduled.",
+    "blocks_total": "KV-cache blocks in the pool.",
+    "blocks_used": "KV-cache blocks held by requests.",
+    "cache_tokens_per_block": "Tokens per KV-cache block.",
+    "cache_bytes_per_token": "KV-cache bytes per token over all layers.",
+    "prefix_cache_hit_tokens": "Prompt tokens served from reused prefix blocks.",
+    "preemptions": "Requests preempted (recomputed later) for lack of cache blocks.",
+    "generated_tokens": "Tokens generated.",
+    "tokens_per_s": "Tokens generated per second over the last 10 s.",
+    "ttft_s_p50": "Median time to first token, seconds (last 1000 requests).",
+    "ttft_s_p99": "99th percentile time to first token, seconds (last 1000 requests).",
+    "steps": "Engine steps (packed forwards).",
+}
 
 
 def prometheus_text(metrics: dict) -> str:
     """``metrics`` (name -> number) in the Prometheus exposition format: ``mff_serve_<name>``
-    gauges, and counters (``_total``) for the running totals."""
+    gauges, and counters (``_total``) for the running totals, each with ``# HELP`` and ``# TYPE``."""
     lines = []
     for k, v in metrics.items():
         name = f"mff_serve_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}"
         kind = "counter" if k in _COUNTERS else "gauge"
         if kind == "counter":
             name += "_total"
-        lines += [f"# TYPE {name} {kind}", f"{name} {float(v)!r}"]
+        lines += [f"# HELP {name} {_HELP.get(k, k)}", f"# TYPE {name} {kind}", f"{name} {float(v)!r}"]
     return "\n".join(lines) + "\n"
 
 
