@@ -243,6 +243,16 @@ class Model:
         """False for params updated outside the optimizer (the MoE expert bias)."""
         return not any(matches(p, path) for p in self.family.frozen_params)
 
+    def is_block_param(self, path: str) -> bool:
+        """True for params of the main decoder layers (``model.layers.{i}.`` with i below
+        ``num_hidden_layers``; LoRA adapter paths of those layers too): the ones a block uses only
+        inside its own run (:func:`mff.nn.blocks.run_block`). MTP depths' layers are not: their
+        input projection and head norm run outside the block."""
+        if not path.startswith("model.layers."):
+            return False
+        index = path.split(".", 3)[2]
+        return index.isdigit() and int(index) < int(self.config.num_hidden_layers)
+
     def is_fp32(self, path: str) -> bool:
         """True for params kept in fp32 whatever the model dtype (router weight and bias)."""
         return any(matches(p, path) for p in self.family.fp32_params)

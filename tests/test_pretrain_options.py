@@ -30,6 +30,7 @@ def test_muon_bf16_mixed_selective_resumes_exactly(corpus, tmp_path):
     args = tiny_args(data) + OPTS
     full = run_cli(args + ["--ckpt-dir", str(tmp_path / "a"), "--metrics-file", str(tmp_path / "a.jsonl")], cache, timeout=600)
     assert full.returncode == 0, full.stderr[-2000:]
+    assert "(cpu measured bfloat16 matmul)" in full.stdout  # MFU of bf16 compute is against the bf16 peak
     for extra in (["--stop-after", "3"], []):
         r = run_cli(args + extra + ["--ckpt-dir", str(tmp_path / "b"), "--metrics-file", str(tmp_path / "b.jsonl")], cache, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]

@@ -184,6 +184,53 @@ def test_bf16_mixed_keeps_fp32_masters_and_fp32_router():
     assert not torch.equal(params["model.layers.0.self_attn.q_a_proj.weight"], before["model.layers.0.self_attn.q_a_proj.weight"])
 
 
+def _retained_mib(fn):
+    """``(fn(), MiB that fn allocated and had not freed when it returned)``: CPU allocations as
+    torch.profiler records them."""
+    from torch.profiler import profile
+
+    with profile(profile_memory=True) as prof:
+        result = fn()
+    return result, sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]") / 2**20
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_bf16_mixed_casts_each_block_at_use(ac):
+    """``forward_params`` (what train_step runs) gives the gradients of the cast-all-at-once
+    ``compute_params`` bit for bit; under recomputation (full or selective: the weight casts are
+    recomputed, not saved) the blocks' bf16 weights are not kept from the forward to the
+    backward, so what the forward leaves allocated shrinks by all the blocks' bf16 weights."""
+    from mff.train.precision import forward_params
+
+    base = _small("deepseek3")
+    cfg = dataclasses.replace(base.config, hidden_size=128, num_hidden_layers=6, intermediate_size=512, moe_intermediate_size=128)
+    model = mff.build("deepseek3", config=cfg).with_execution(ac=ac)
+    params = model.init(0)
+    batch = _batch(B=1, T=4)
+    names = [k for k, v in params.items() if v.requires_grad]
+    leaves = [params[k] for k in names]
+
+    def at_once():
+        return model.forward(compute_params(model, params, "bf16-mixed"), batch, logits=False).loss
+
+    def at_use():
+        with forward_params(model, params, "bf16-mixed") as compute:
+            assert compute["model.layers.2.self_attn.q_a_proj.weight"].dtype == torch.float32  # cast inside the block
+            assert compute["model.embed_tokens.weight"].dtype == torch.bfloat16
+            assert compute["model.layers.2.mlp.gate.weight"].dtype == torch.float32
+            return model.forward(compute, batch, logits=False).loss
+
+    loss_once, held_once = _retained_mib(at_once)
+    loss_use, held_use = _retained_mib(at_use)
+    for name, a, b in zip(names, torch.autograd.grad(loss_once, leaves), torch.autograd.grad(loss_use, leaves)):
+        assert b.dtype == torch.float32 and torch.equal(a, b), name
+    blocks = sum(v.numel() * 2 for k, v in params.items() if model.is_block_param(k) and not model.is_fp32(k)) / 2**20
+    if ac != "none":
+        assert held_use <= held_once - 0.9 * blocks, (held_once, held_use, blocks)
+    else:  # without recomputation the block's backward needs its bf16 weights either way
+        assert held_use >= held_once - 0.1 * blocks, (held_once, held_use, blocks)
+
+
 def test_correction_bias_stays_fp32_in_a_bf16_model(tmp_path):
     model = _small("deepseek3")
     params = {k: v.detach() for k, v in model.init(0).items()}

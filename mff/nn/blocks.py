@@ -22,11 +22,22 @@ tensors and gets its real params from ``torch.func.functional_call`` only for th
 the forward, while the recomputation runs later, inside the backward. Outputs that are
 statistics (MoE expert loads) are produced by the forward only; the recomputation's copies are
 discarded, so loads are counted once.
+
+Mixed precision casts at use (:func:`cast_params_at_use`, what ``bf16-mixed`` training runs
+under): each block's float params are cast to the compute dtype when the block runs, not all at
+once before the forward. Under activation checkpointing the cast is inside the checkpointed
+region, so a block's bf16 weights are dropped after its forward like its other activations and
+made again for its backward (torchtitan's and FSDP2's ``MixedPrecisionPolicy`` casts per module
+the same way); without checkpointing autograd keeps the copies the block's backward needs and
+frees them once that backward has run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +47,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from mff.nn import grouped_gemm  # noqa: F401  (registers torch.ops.mff.grouped_mm before _SAVE_OPS names it)
 
-__all__ = ["AC_MODES", "BlockExecution", "run_block"]
+__all__ = ["AC_MODES", "BlockExecution", "cast_params_at_use", "run_block"]
 
 AC_MODES = ("none", "full", "selective")
 
@@ -101,10 +112,46 @@ def _compiled(block: nn.Module, selective: bool):
     return cache[selective]
 
 
-def _call_with(block: nn.Module, target, names: list[str], *flat):
+# (compute dtype, ids of the param tensors that keep their dtype) while cast_params_at_use is active
+_CAST_AT_USE: contextvars.ContextVar[tuple[torch.dtype, frozenset[int]] | None] = contextvars.ContextVar("mff_cast_at_use", default=None)
+
+
+@contextlib.contextmanager
+def cast_params_at_use(dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> Iterator[None]:
+    """While active, :func:`run_block` runs each block with its float params cast to ``dtype``
+    (a differentiable ``.to``: the gradients reach the original params in their own dtype),
+    except the tensors whose ``id`` is in ``keep`` (params a family keeps in fp32, e.g. the
+    router). The cast of a checkpointed block is redone in its backward, so it need not be
+    active then. Raises TypeError for a ``dtype`` that is not a floating torch dtype."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"cast_params_at_use: dtype {dtype!r}; expected a floating torch.dtype")
+    token = _CAST_AT_USE.set((dtype, frozenset(keep)))
+    try:
+        yield
+    finally:
+        _CAST_AT_USE.reset(token)
+
+
+def _call_with(block: nn.Module, target, names: list[str], cast: tuple[torch.dtype, frozenset[str]] | None, *flat):
+    """``target(*flat[n:])`` with the block's params ``names`` set to ``flat[:n]``, the names in
+    ``cast[1]`` cast to ``cast[0]`` first."""
     n = len(names)
-    with _reparametrize_module(block, dict(zip(names, flat[:n])), strict=True):
+    tensors = dict(zip(names, flat[:n]))
+    if cast is not None:
+        dtype, which = cast
+        tensors = {k: v.to(dtype) if k in which else v for k, v in tensors.items()}
+    with _reparametrize_module(block, tensors, strict=True):
         return target(*flat[n:])
+
+
+def _cast_plan(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.dtype, frozenset[str]] | None:
+    """The active cast as ``(dtype, names of the block's params to cast)``, or None."""
+    active = _CAST_AT_USE.get()
+    if active is None:
+        return None
+    dtype, keep = active
+    which = frozenset(k for k, p in named if p.is_floating_point() and p.dtype != dtype and id(p) not in keep)
+    return (dtype, which) if which else None
 
 
 def run_block(block: nn.Module, execution: BlockExecution | None, *args):
@@ -119,21 +166,27 @@ def run_block(block: nn.Module, execution: BlockExecution | None, *args):
             over ``ep`` (the all-to-all dispatch is a graph break, across which torch 2.13 cannot
             recompute selectively).
     """
+    if execution is None and _CAST_AT_USE.get() is None:
+        return block(*args)  # the decoding path: nothing else to do
+    named = list(block.named_parameters())
+    names, tensors = [k for k, _ in named], [p for _, p in named]
+    cast = _cast_plan(named)
     if execution is None:
-        return block(*args)
+        return _call_with(block, block, names, cast, *tensors, *args) if cast else block(*args)
     ac = execution.ac if torch.is_grad_enabled() else "none"
     if execution.compile and ac == "selective":
         if _has_graph_break(block):
             raise ValueError("--ac selective with --compile is not supported with expert parallelism (--parallel.ep > 1: the "
                              "all-to-all expert dispatch runs eagerly, a graph break that selective recomputation cannot "
                              "cross); use --ac full with --compile, or --ac selective without --compile")
-        return _compiled(block, True)(*args)
+        target = _compiled(block, True)
+        return _call_with(block, target, names, cast, *tensors, *args) if cast else target(*args)
     target = _compiled(block, False) if execution.compile else block
     if ac == "none":
-        return target(*args)
+        return _call_with(block, target, names, cast, *tensors, *args) if cast else target(*args)
     # the recomputation runs inside the backward, after functional_call has put the skeleton's
     # meta params back: the block's params go in as explicit inputs and are swapped in again
-    named = list(block.named_parameters())
-    body = functools.partial(_call_with, block, target, [k for k, _ in named])
+    # (and cast again: the bf16 copies are not kept between forward and backward)
+    body = functools.partial(_call_with, block, target, names, cast)
     context = {"context_fn": _selective_context} if ac == "selective" else {}
-    return checkpoint(body, *[p for _, p in named], *args, use_reentrant=False, **context)
+    return checkpoint(body, *tensors, *args, use_reentrant=False, **context)

@@ -312,7 +312,7 @@ def _run(cfg: FinetuneConfig, family: str, init: _Init, argv: list[str]) -> int:
     saved, opt_state, start, tokens_seen = resume(cfg, last, saved, opt_state, loader)
     params = {**params, **saved} if lora is not None else saved
 
-    peak, peak_src = device_peak_flops(dist_info.device)
+    peak, peak_src = device_peak_flops(dist_info.device, dtype=compute_dtype(cfg.precision))
     flops = _lora_flops(model, cfg.seq_len) if lora is not None else model.train_flops_per_token(cfg.seq_len)
     extra = (f"; LoRA r {lora.r}, alpha {lora.alpha:g} (scale {lora.scale:g}) on {len(lora.targets)} weights: "
              f"{sum(t.numel() for t in saved.values()):,} trainable params" if lora is not None else "; full fine-tuning")

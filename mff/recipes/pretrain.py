@@ -41,7 +41,7 @@ from mff.train.config import TrainConfig, fit_default_precision, fit_default_war
 from mff.train.loop import Loop, check_train_config, memory_check, print_run_header, rank_slices, resumable, resume, train_loop
 from mff.train.metrics import device_peak_flops
 from mff.train.pipeline import Pipeline
-from mff.train.precision import param_dtype
+from mff.train.precision import compute_dtype, param_dtype
 
 C = TypeVar("C")
 
@@ -136,7 +136,7 @@ def run(cfg: PretrainConfig, family: str, size: str, init_params=None) -> int:
     params, opt_state, start, tokens_seen = resume(cfg, last, params, opt_state, loader, model.param_shapes() if pipe else None)
     saved = {k: params[k] for k in pipe.owned} if pipe else params  # a shared embedding is saved from the first stage
 
-    peak, peak_src = device_peak_flops(dist_info.device)
+    peak, peak_src = device_peak_flops(dist_info.device, dtype=compute_dtype(cfg.precision))
     flops_per_token = model.train_flops_per_token(cfg.seq_len)
     print_run_header(f"{family}/{size}", model, dist_info, mesh, params, mem, data_line, peak, peak_src, flops_per_token)
     meta = {"recipe": "pretrain", "family": family, "size": size, "config": config_to_dict(model.config), "run": config_to_dict(cfg, skip=("model",)),

@@ -40,7 +40,7 @@ from mff.parallel.watchdog import collective
 from mff.train.config import TrainConfig
 from mff.train.log import RunLog, is_rank0, print0
 from mff.train.metrics import measure_matmul_flops, memory_estimate_gib, mfu
-from mff.train.precision import PRECISIONS, param_dtype
+from mff.train.precision import PRECISIONS, compute_dtype, param_dtype
 from mff.train.state import check_resume_config, check_resume_recipe, check_run_meta, restore_rng, rng_state
 from mff.train.step import NonFiniteError, check_finite, eval_loss, train_step
 
@@ -304,7 +304,7 @@ def _remeasure_peak(run: Loop, log: RunLog, step: int, tps: float) -> float:
     """A step ran above the CPU peak measured at start-up, so that measurement met a loaded
     machine: measure the matmul again now (about 0.25 s, best of repeated timings) and keep the
     higher peak, saying so. Returns the step's MFU against the peak now in use."""
-    again = measure_matmul_flops(run.device, torch.float32, seconds=0.25)
+    again = measure_matmul_flops(run.device, compute_dtype(run.cfg.precision), seconds=0.25)
     if again > run.peak_flops:
         log.write(f"note: peak re-measured at step {step}: {again / 1e9:.1f} GFLOP/s (start-up: {run.peak_flops / 1e9:.1f}, "
                   "measured while other work loaded the machine); MFU is against the new peak from here on")

@@ -55,9 +55,11 @@ def measure_matmul_flops(device: torch.device | str = "cpu", dtype: torch.dtype 
     return 2 * n**3 / best
 
 
-def device_peak_flops(device: torch.device, measure_cpu: bool = True) -> tuple[float, str]:
-    """``(peak FLOP/s, source)`` for ``device``: the table for known accelerators, a measured
-    matmul on CPU (or for unknown accelerators)."""
+def device_peak_flops(device: torch.device, measure_cpu: bool = True, dtype: torch.dtype | None = None) -> tuple[float, str]:
+    """``(peak FLOP/s, source)`` for ``device``: the table for known accelerators (dense bf16),
+    a measured matmul on CPU (or for unknown accelerators) in ``dtype``: the run's compute dtype
+    (:func:`mff.train.precision.compute_dtype`; default fp32 on CPU, bf16 elsewhere), so that a
+    bf16 run's MFU is against the bf16 matmul peak."""
     name = "cpu"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -71,7 +73,8 @@ def device_peak_flops(device: torch.device, measure_cpu: bool = True) -> tuple[f
             return peak, f"{name} bf16 {'cited figure, unverified' if device.type == 'npu' else 'data sheet'}"
     if not measure_cpu:
         return float("nan"), name
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     return measure_matmul_flops(device, dtype), f"{name} measured {str(dtype).replace('torch.', '')} matmul"
 
 

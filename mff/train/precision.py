@@ -8,6 +8,13 @@
 - ``bf16``: params stored in bf16, optimizer state in fp32 (each update is computed in fp32
   and rounded into the bf16 param once).
 
+``bf16-mixed`` training casts at use (:func:`forward_params`): the params outside the decoder
+blocks (embedding, final norm, head, MTP's own projections) are cast once before the forward,
+each block's own params when the block runs (:func:`mff.nn.blocks.cast_params_at_use`), so
+under activation checkpointing a block's bf16 weights live only during its forward and its
+backward, and the fp32 masters are the only full-size copy of the weights besides the
+optimizer state.
+
 In every mode the params a family keeps in fp32 (router weight, expert correction bias) stay
 fp32, and the numerically sensitive parts compute in fp32 whatever the input dtype: RMSNorm
 statistics (:func:`mff.backend.rms_norm_torch`), attention softmax (SDPA accumulates in fp32;
@@ -17,11 +24,14 @@ the small-T path casts), router scores and top-k (:mod:`mff.nn.moe`), and the lo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 
-__all__ = ["PRECISIONS", "param_dtype", "compute_dtype", "compute_params"]
+from mff.nn.blocks import cast_params_at_use
+
+__all__ = ["PRECISIONS", "param_dtype", "compute_dtype", "compute_params", "forward_params"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 
@@ -54,3 +64,24 @@ def compute_params(model, params: Mapping[str, torch.Tensor], precision: str) ->
         return dict(params)
     return {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dtype != torch.bfloat16 and not model.is_fp32(k) else v
             for k, v in params.items()}
+
+
+@contextlib.contextmanager
+def forward_params(model, params: Mapping[str, torch.Tensor], precision: str) -> Iterator[dict[str, torch.Tensor]]:
+    """Context for one forward of ``model`` (a :class:`mff.model.Model`) in ``precision``:
+    yields the params to pass to ``model.forward`` inside it. Like :func:`compute_params`, except
+    that for ``bf16-mixed`` the params of the main decoder layers (``model.is_block_param``) stay
+    fp32 in the yielded dict and are cast block by block when each block runs (the cast is part of
+    the autograd graph, so the gradients arrive in fp32; a checkpointed block casts again in its
+    backward, after the context has closed). The same numerics as :func:`compute_params`. Raises
+    ValueError for an unknown precision."""
+    _check(precision)
+    if precision != "bf16-mixed":
+        yield dict(params)
+        return
+    keep = frozenset(id(v) for k, v in params.items() if model.is_fp32(k))
+    out = {k: v.to(torch.bfloat16) if (v.is_floating_point() and v.dtype != torch.bfloat16 and id(v) not in keep
+                                        and not model.is_block_param(k)) else v
+           for k, v in params.items()}
+    with cast_params_at_use(torch.bfloat16, keep):
+        yield out

@@ -29,7 +29,7 @@ from mff.optim.config import OptimConfig
 from mff.optim.optimizer import apply_update
 from mff.parallel.mesh import data_parallel_group
 from mff.parallel.watchdog import collective
-from mff.train.precision import compute_params
+from mff.train.precision import compute_params, forward_params
 from mff.tree import flatten_with_paths
 
 __all__ = ["NonFiniteError", "StepStats", "check_finite", "global_counts", "train_step", "update_expert_bias", "eval_loss"]
@@ -151,7 +151,9 @@ def train_step(
     for i, mb in enumerate(micro_batches):
         # the forward/backward's DTensor redistributions are collectives too
         with collective(f"forward/backward of micro-batch {i + 1}/{len(micro_batches)}"):
-            out = model.forward(compute_params(model, params, precision), mb, target_counts=counts, logits=False)
+            with forward_params(model, params, precision) as compute:
+                out = model.forward(compute, mb, target_counts=counts, logits=False)
+            del compute
             g = torch.autograd.grad(out.loss, leaves)
         if grads is None:
             grads = list(g)
