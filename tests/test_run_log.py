@@ -150,7 +150,8 @@ def test_a_step_above_the_cpu_peak_measures_the_peak_again(capsys):
 
     from mff.train.loop import _remeasure_peak
 
-    run = SimpleNamespace(device=torch.device("cpu"), peak_flops=1e3, flops_per_token=1e6, world_size=1)
+    run = SimpleNamespace(device=torch.device("cpu"), peak_flops=1e3, flops_per_token=1e6, world_size=1,
+                          cfg=SimpleNamespace(precision="bf16-mixed"))
     log = RunLog(None, total=1)
     value = _remeasure_peak(run, log, 7, tps=10.0)
     log.close()

@@ -144,9 +144,10 @@ def _call_with(block: nn.Module, target, names: list[str], cast: tuple[torch.dty
         return target(*flat[n:])
 
 
-def _cast_plan(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.dtype, frozenset[str]] | None:
-    """The active cast as ``(dtype, names of the block's params to cast)``, or None."""
-    active = _CAST_AT_USE.get()
+def _cast_plan(named: list[tuple[str, torch.Tensor]], active: tuple[torch.dtype, frozenset[int]] | None
+               ) -> tuple[torch.dtype, frozenset[str]] | None:
+    """``active`` (the cast_params_at_use state) as ``(dtype, names of the block's params to
+    cast)``, or None when it is inactive or casts none of them."""
     if active is None:
         return None
     dtype, keep = active
@@ -154,8 +155,16 @@ def _cast_plan(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.dtype, froz
     return (dtype, which) if which else None
 
 
+def _active_cast() -> tuple[torch.dtype, frozenset[int]] | None:
+    """The cast_params_at_use state. Under a dynamo trace (the compiled decode step traces the
+    whole model) it reads as inactive: ``ContextVar.get`` is a graph break, and no compiled
+    whole-model graph trains (training compiles each block separately, called from eager code)."""
+    return None if torch.compiler.is_compiling() else _CAST_AT_USE.get()
+
+
 def run_block(block: nn.Module, execution: BlockExecution | None, *args):
-    """``block(*args)`` as ``execution`` says (None: eagerly, no checkpointing).
+    """``block(*args)`` as ``execution`` says (None: eagerly, no checkpointing), its params cast
+    at use while :func:`cast_params_at_use` is active.
 
     Must be called inside the model's ``functional_call`` (the block's params are the real
     tensors then). Checkpointing applies only when grad is enabled; generation and evaluation
@@ -166,22 +175,22 @@ def run_block(block: nn.Module, execution: BlockExecution | None, *args):
             over ``ep`` (the all-to-all dispatch is a graph break, across which torch 2.13 cannot
             recompute selectively).
     """
-    if execution is None and _CAST_AT_USE.get() is None:
-        return block(*args)  # the decoding path: nothing else to do
+    active = _active_cast()
+    ac = execution.ac if execution is not None and torch.is_grad_enabled() else "none"
+    compiled = execution is not None and execution.compile
+    if active is None and ac == "none":
+        return (_compiled(block, False) if compiled else block)(*args)  # the decoding path: nothing else to do
     named = list(block.named_parameters())
     names, tensors = [k for k, _ in named], [p for _, p in named]
-    cast = _cast_plan(named)
-    if execution is None:
-        return _call_with(block, block, names, cast, *tensors, *args) if cast else block(*args)
-    ac = execution.ac if torch.is_grad_enabled() else "none"
-    if execution.compile and ac == "selective":
+    cast = _cast_plan(named, active)
+    if compiled and ac == "selective":
         if _has_graph_break(block):
             raise ValueError("--ac selective with --compile is not supported with expert parallelism (--parallel.ep > 1: the "
                              "all-to-all expert dispatch runs eagerly, a graph break that selective recomputation cannot "
                              "cross); use --ac full with --compile, or --ac selective without --compile")
         target = _compiled(block, True)
         return _call_with(block, target, names, cast, *tensors, *args) if cast else target(*args)
-    target = _compiled(block, False) if execution.compile else block
+    target = _compiled(block, False) if compiled else block
     if ac == "none":
         return _call_with(block, target, names, cast, *tensors, *args) if cast else target(*args)
     # the recomputation runs inside the backward, after functional_call has put the skeleton's
