@@ -182,6 +182,11 @@ def _summary(step_times: list[float]) -> dict[str, float]:
     return out
 
 
+# projections that read the same input, laid side by side by decode_layout (mff.nn.layers.linears)
+SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                       ("q_proj", "kv_a_proj_with_mqa"))
+
+
 def decode_layout(params: Mapping[str, torch.Tensor], on_cpu_only: bool = True) -> dict[str, torch.Tensor]:
     """``params`` laid out for eager decoding: each 2-D projection weight ``W`` [out, in] (every
     2-D ``*.weight`` but the token embedding, which is looked up by rows) becomes the transposed
@@ -189,21 +194,56 @@ def decode_layout(params: Mapping[str, torch.Tensor], on_cpu_only: bool = True) 
     routed-expert weights [E, out, in]. Shapes, dtypes and values are unchanged, so the
     model code is too; ``F.linear(x, W)`` then runs as ``x @ W^T`` over a row-major right operand,
     the layout the CPU BLAS (MKL) streams fastest in a batch-1 mat-vec (measured 18% less time per
-    eager decode step on ``qwen3_bench`` with 1 thread, README "Performance"). With
+    eager decode step on ``qwen3_bench`` with 1 thread, README "Performance").
+
+    Projections of one module that read the same input (:data:`SIBLING_PROJECTIONS`: q/k/v,
+    gate/up, MLA's q_a (or q) and kv_a) share one ``[in, sum out]`` copy, each weight (and bias) a view of
+    its columns, so :func:`mff.nn.layers.linears` runs them as one mat-vec. With
     ``on_cpu_only`` (default) tensors on other devices are kept as they are.
 
-    Returns a new dict (other params are the same tensor objects); the transposed copies take as
-    much memory as the weights they replace, whose memory is freed once nothing else holds them.
-    Meant for inference (``generate``, serving): the params of training keep their own layout.
+    Returns a new dict (other params are the same tensor objects); the copies take as much
+    memory as the weights they replace, whose memory is freed once nothing else holds them.
+    Meant for inference (``generate``): the params of training keep their own layout.
     """
-    out = {}
+    def movable(v: torch.Tensor) -> bool:
+        return v.is_contiguous() and (v.device.type == "cpu" or not on_cpu_only)
+
+    def plain(v: torch.Tensor) -> bool:  # not a DTensor or other subclass: its storage is the data
+        return type(v) in (torch.Tensor, torch.nn.Parameter) and movable(v)
+
+    out = dict(params)
+    done: set[str] = set()
+    for k in params:
+        if not k.endswith(".weight"):
+            continue
+        module, _, _ = k[:-len(".weight")].rpartition(".")
+        for names in SIBLING_PROJECTIONS:
+            keys = [f"{module}.{n}.weight" for n in names]
+            if k != keys[0] or not all(key in params for key in keys):
+                continue
+            ws = [params[key] for key in keys]
+            bias_keys = [f"{module}.{n}.bias" for n in names]
+            biases = [params.get(key) for key in bias_keys]
+            has_bias = [b is not None for b in biases]
+            if (not all(plain(w) and w.dim() == 2 for w in ws) or len({(w.shape[1], w.dtype, w.device) for w in ws}) != 1
+                    or any(has_bias) and not (all(has_bias) and all(plain(b) and b.dtype == ws[0].dtype for b in biases))):
+                continue
+            joint = torch.cat([w.t() for w in ws], dim=1)  # [in, sum out], row-major
+            joint_bias = torch.cat(biases) if all(has_bias) else None
+            start = 0
+            for i, w in enumerate(ws):
+                out[keys[i]] = joint[:, start:start + w.shape[0]].t()
+                if joint_bias is not None:
+                    out[bias_keys[i]] = joint_bias[start:start + w.shape[0]]
+                start += w.shape[0]
+            done.update(keys)
     for k, v in params.items():
-        if v.is_contiguous() and (v.device.type == "cpu" or not on_cpu_only):
-            if v.dim() == 2 and k.endswith(".weight") and k != "model.embed_tokens.weight":
-                v = v.t().contiguous().t()
-            elif v.dim() == 3 and k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                v = v.transpose(1, 2).contiguous().transpose(1, 2)  # each expert's [out, in] as above
-        out[k] = v
+        if k in done or not movable(v):
+            continue
+        if v.dim() == 2 and k.endswith(".weight") and k != "model.embed_tokens.weight":
+            out[k] = v.t().contiguous().t()
+        elif v.dim() == 3 and k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            out[k] = v.transpose(1, 2).contiguous().transpose(1, 2)  # each expert's [out, in] as above
     return out
 
 

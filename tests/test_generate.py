@@ -153,25 +153,63 @@ def test_cache_bucket():
     assert cache_bucket(300, 300) == 300 and cache_bucket(10, 64) == 64  # never past the context
 
 
-@pytest.mark.parametrize("family", ["qwen3", "deepseek3", "glm4", "qwen3_moe"])
-def test_decode_layout_keeps_values_and_tokens(family):
-    """decode_layout: every 2-D projection weight becomes a transposed view of a contiguous
+class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmul kernels (mm, addmm, bmm) dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family,q_lora_rank", [("qwen3", 0), ("deepseek3", 0), ("deepseek3", None), ("glm4", 0),
+                                                ("qwen3_moe", 0)])
+def test_decode_layout_keeps_values_and_tokens(family, q_lora_rank):
+    """decode_layout: every 2-D projection weight becomes a transposed view of a row-major
     [in, out] copy with the same shape and values (the embedding table keeps its rows); the
-    logits of a decode step agree to fp32 rounding and greedy generation gives the same tokens."""
-    from mff.generate import decode_layout
+    projections that read the same input (q/k/v, gate/up, MLA's q_a or q with kv_a) become views
+    of one [in, sum out] copy (their biases of one vector) and run as one matmul; the logits of
+    a decode step agree to fp32 rounding and greedy generation gives the same tokens."""
+    from mff.generate import SIBLING_PROJECTIONS, decode_layout
 
     model, params = _model(family)
+    if q_lora_rank is None:
+        model = mff.build(family, dataclasses.replace(model.config, q_lora_rank=None))
+        params = {k: v.detach() for k, v in model.init(seed=0).items()}
     laid = decode_layout(params)
     assert laid.keys() == params.keys()
     moved = [k for k in params if laid[k] is not params[k]]
     assert moved and "model.embed_tokens.weight" not in moved
+    groups = 0
     for k in moved:
         v = laid[k]
-        assert v.shape == params[k].shape and v.transpose(-1, -2).is_contiguous() and not v.is_contiguous()
-        assert torch.equal(v, params[k])
+        assert v.shape == params[k].shape and torch.equal(v, params[k])
+        if v.dim() >= 2:  # a row-major W^T (or a column slice of one); a moved bias is a slice of the joint bias
+            assert not v.is_contiguous() and v.transpose(-1, -2).stride(-1) == 1
+        module, _, name = k.rpartition(".")[0].rpartition(".")
+        group = next((g for g in SIBLING_PROJECTIONS if g[0] == name and all(f"{module}.{n}.weight" in params for n in g)), None)
+        if group is not None and k.endswith(".weight"):
+            groups += 1
+            members = [laid[f"{module}.{n}.weight"] for n in group]
+            assert len({m.untyped_storage().data_ptr() for m in members}) == 1  # one copy, side by side
+            assert all(m.stride() == (1, sum(w.shape[0] for w in members)) for m in members)
+    # per layer: attention (q/k/v, or MLA's q_a or q with kv_a; GLM-4's gate_up is one weight already) and the
+    # dense or shared-expert MLP (deepseek3: 2 layers and its MTP layer; qwen3_moe: layer 0 dense, layer 1 MoE)
+    expected = {"qwen3": 2 * 2, "deepseek3": 3 * 2, "glm4": 2 * 1, "qwen3_moe": 2 + 1}[family]
+    assert groups == expected, (groups, moved)
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         a = model.forward(params, {"input_ids": ids}).logits
-        b = model.forward(laid, {"input_ids": ids}).logits
+        with _CountMatmuls() as plain:
+            model.forward(params, {"input_ids": ids})
+        with _CountMatmuls() as joint:
+            b = model.forward(laid, {"input_ids": ids}).logits
     assert (a - b).abs().max().item() <= 1e-5
+    # matmuls saved: 2 per q/k/v, 1 per other pair (the MTP layer does not run in inference)
+    fewer = {"qwen3": 2 * (2 + 1), "deepseek3": 2 * (1 + 1), "glm4": 2 * 2, "qwen3_moe": 2 * 2 + 1}[family]
+    assert plain.n - joint.n == fewer, (plain.n, joint.n)
     assert torch.equal(generate(model, laid, ids, 12), generate(model, params, ids, 12))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mff.nn.attention import causal_attention
-from mff.nn.layers import Linear, RMSNorm
+from mff.nn.layers import Linear, RMSNorm, linears
 from mff.nn.paged import cache_update, from_rows, to_rows
 from mff.nn.rope import apply_rope
 from mff.parallel.tp import tp_shard
@@ -77,9 +77,7 @@ class GQA(nn.Module):
         ``slots`` is a :class:`mff.nn.paged.PagedBatch` and ``x`` the packed tokens [1, N, D]."""
         B, T, _ = x_BTD.shape
         # -1: the heads of this rank (all of them without tensor parallelism)
-        q = self.q_proj(x_BTD).view(B, T, -1, self.head_dim)
-        k = self.k_proj(x_BTD).view(B, T, -1, self.head_dim)
-        v = self.v_proj(x_BTD).view(B, T, -1, self.head_dim)
+        q, k, v = (y.view(B, T, -1, self.head_dim) for y in linears(x_BTD, [self.q_proj, self.k_proj, self.v_proj]))
         if self.q_norm is not None:
             q, k = self.q_norm(q, _group(self.q_proj.weight)), self.k_norm(k, _group(self.k_proj.weight))
         q = apply_rope(q, cos, sin, layout=self.rope_layout)

@@ -23,7 +23,7 @@ from mff.nn.lora import add_low_rank, lora_input, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, reduce_from_tp, tp_shard
 
-__all__ = ["Linear", "Embedding", "RMSNorm", "linear"]
+__all__ = ["Linear", "Embedding", "RMSNorm", "linear", "linears"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,6 +38,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = (x.unsqueeze(-2) * weight).sum(-1)
         return y + bias if bias is not None else y
     return F.linear(x, weight, bias)
+
+
+def _side_by_side(tensors: list[torch.Tensor | None], dim: int) -> torch.Tensor | None:
+    """One view over ``tensors`` joined along ``dim`` (0 for the [F_i, D] weights, 0 for the
+    [F_i] biases) when they already lie side by side in one storage, as
+    :func:`mff.generate.decode_layout` lays them out: same storage, plain tensors that need no
+    grad, consecutive offsets, equal strides. None otherwise (the caller runs them one by one)."""
+    first = tensors[0]
+    if first is None or type(first) not in (torch.Tensor, nn.Parameter) or first.requires_grad:
+        return None
+    step = first.stride(dim)
+    offset, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (t is None or type(t) not in (torch.Tensor, nn.Parameter) or t.requires_grad or t.stride() != first.stride()
+                or t.shape[1:] != first.shape[1:] or t.storage_offset() != offset or t.untyped_storage().data_ptr() != ptr):
+            return None
+        offset += t.shape[dim] * step
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return first.as_strided(shape, first.stride(), first.storage_offset())
+
+
+def linears(x_BTD: torch.Tensor, layers: list[Linear]) -> list[torch.Tensor]:
+    """``[layer(x) for layer in layers]`` for layers that read the same input (attention's
+    q/k/v, the MLP's gate/up), as one matmul when their weights (and biases, if any) lie side by
+    side in one storage: :func:`mff.generate.decode_layout` stores them so for eager decoding,
+    where one wider mat-vec replaces several narrow ones (fewer BLAS calls and op dispatches per
+    token). Each output is a [..., F_i] view of the joint [..., sum F_i] result, equal to the
+    layer's own output. Layers with split (DTensor) weights, LoRA slots or weights laid out any
+    other way, and any call under a dynamo trace (the compiler fuses on its own), run one by one.
+    """
+    if torch.compiler.is_compiling() or any(slot_name("weight") in m.__dict__["_modules"] for m in layers):
+        return [m(x_BTD) for m in layers]
+    w = _side_by_side([m.weight for m in layers], 0)
+    if w is None:
+        return [m(x_BTD) for m in layers]
+    b = None
+    if any(m.bias is not None for m in layers):
+        b = _side_by_side([m.bias for m in layers], 0)  # None also when only some have a bias
+        if b is None:
+            return [m(x_BTD) for m in layers]
+    return list(F.linear(x_BTD, w, b).split([m.weight.shape[0] for m in layers], dim=-1))
 
 
 class Linear(nn.Module):

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from mff.nn.attention import causal_attention
-from mff.nn.layers import Linear, RMSNorm
+from mff.nn.layers import Linear, RMSNorm, linears
 from mff.nn.lora import delta_weight, slot_name
 from mff.nn.paged import cache_update, from_rows, to_rows
 from mff.nn.rope import apply_rope
@@ -90,14 +90,14 @@ class MLA(nn.Module):
         as ``slots`` and the packed tokens [1, N, D] as ``x``."""
         B, T, _ = x_BTD.shape
         if self.q_lora_rank is None:
-            q = self.q_proj(x_BTD)
+            q, kv_a = linears(x_BTD, [self.q_proj, self.kv_a_proj_with_mqa])
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+            q_a, kv_a = linears(x_BTD, [self.q_a_proj, self.kv_a_proj_with_mqa])
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_BTHK = q.view(B, T, -1, self.nope + self.rope)  # H: this rank's heads
         H = q_BTHK.shape[2]
         q_nope, q_rot = q_BTHK.split([self.nope, self.rope], dim=-1)
 
-        kv_a = self.kv_a_proj_with_mqa(x_BTD)
         c_BTC, k_rot_BTR = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
         c_BTC = self.kv_a_layernorm(c_BTC)
 

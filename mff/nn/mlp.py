@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mff.backend import ops
-from mff.nn.layers import Linear, linear
+from mff.nn.layers import Linear, linear, linears
 from mff.nn.lora import add_low_rank, lora_input, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, tp_shard
@@ -30,7 +30,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(F.silu(gate) * up)
 
 
 class FusedGatedMLP(nn.Module):
