@@ -40,23 +40,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _side_by_side(tensors: list[torch.Tensor | None], dim: int) -> torch.Tensor | None:
-    """One view over ``tensors`` joined along ``dim`` (0 for the [F_i, D] weights, 0 for the
-    [F_i] biases) when they already lie side by side in one storage, as
+def _side_by_side(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """One view over ``tensors`` joined along dim 0 (the [F_i, D] weights, or the [F_i]
+    biases) when they already lie side by side in one storage, as
     :func:`mff.generate.decode_layout` lays them out: same storage, plain tensors that need no
     grad, consecutive offsets, equal strides. None otherwise (the caller runs them one by one)."""
-    first = tensors[0]
-    if first is None or type(first) not in (torch.Tensor, nn.Parameter) or first.requires_grad:
+    if any(t is None or type(t) not in (torch.Tensor, nn.Parameter) or t.requires_grad for t in tensors):
         return None
-    step = first.stride(dim)
+    first = tensors[0]
     offset, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
     for t in tensors:
-        if (t is None or type(t) not in (torch.Tensor, nn.Parameter) or t.requires_grad or t.stride() != first.stride()
-                or t.shape[1:] != first.shape[1:] or t.storage_offset() != offset or t.untyped_storage().data_ptr() != ptr):
+        if (t.stride() != first.stride() or t.shape[1:] != first.shape[1:] or t.storage_offset() != offset
+                or t.untyped_storage().data_ptr() != ptr):
             return None
-        offset += t.shape[dim] * step
-    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
-    return first.as_strided(shape, first.stride(), first.storage_offset())
+        offset += t.shape[0] * first.stride(0)
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def linears(x_BTD: torch.Tensor, layers: list[Linear]) -> list[torch.Tensor]:
@@ -70,12 +68,12 @@ def linears(x_BTD: torch.Tensor, layers: list[Linear]) -> list[torch.Tensor]:
     """
     if torch.compiler.is_compiling() or any(slot_name("weight") in m.__dict__["_modules"] for m in layers):
         return [m(x_BTD) for m in layers]
-    w = _side_by_side([m.weight for m in layers], 0)
+    w = _side_by_side([m.weight for m in layers])
     if w is None:
         return [m(x_BTD) for m in layers]
     b = None
     if any(m.bias is not None for m in layers):
-        b = _side_by_side([m.bias for m in layers], 0)  # None also when only some have a bias
+        b = _side_by_side([m.bias for m in layers])  # None also when only some have a bias
         if b is None:
             return [m(x_BTD) for m in layers]
     return list(F.linear(x_BTD, w, b).split([m.weight.shape[0] for m in layers], dim=-1))
