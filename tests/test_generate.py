@@ -168,13 +168,16 @@ class _CountMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("family,q_lora_rank", [("qwen3", 0), ("deepseek3", 0), ("deepseek3", None), ("glm4", 0),
                                                 ("qwen3_moe", 0)])
-def test_decode_layout_keeps_values_and_tokens(family, q_lora_rank):
-    """decode_layout: every 2-D projection weight becomes a transposed view of a row-major
-    [in, out] copy with the same shape and values (the embedding table keeps its rows); the
-    projections that read the same input (q/k/v, gate/up, MLA's q_a or q with kv_a) become views
-    of one [in, sum out] copy (their biases of one vector) and run as one matmul; the logits of
-    a decode step agree to fp32 rounding and greedy generation gives the same tokens."""
+def test_decode_layout_keeps_values_and_tokens(family, q_lora_rank, monkeypatch):
+    """decode_layout: every 2-D projection weight with more outputs than inputs becomes a
+    transposed view of a row-major [in, out] copy with the same shape and values, the others
+    (and the embedding table) keep their row-major [out, in]; the projections that read the
+    same input (q/k/v, gate/up, MLA's q_a or q with kv_a) become views of one copy ([in, sum out]
+    when wider than tall, else [sum out, in]; their biases of one vector) and run as one
+    matmul; the logits of a forward and of a decode step agree to fp32 rounding and greedy
+    generation gives the same tokens, also with every mat-vec split over 2 threads."""
     from mff.generate import SIBLING_PROJECTIONS, decode_layout
+    from mff.nn import layers
 
     model, params = _model(family)
     if q_lora_rank is None:
@@ -188,15 +191,19 @@ def test_decode_layout_keeps_values_and_tokens(family, q_lora_rank):
     for k in moved:
         v = laid[k]
         assert v.shape == params[k].shape and torch.equal(v, params[k])
-        if v.dim() >= 2:  # a row-major W^T (or a column slice of one); a moved bias is a slice of the joint bias
-            assert not v.is_contiguous() and v.transpose(-1, -2).stride(-1) == 1
         module, _, name = k.rpartition(".")[0].rpartition(".")
         group = next((g for g in SIBLING_PROJECTIONS if g[0] == name and all(f"{module}.{n}.weight" in params for n in g)), None)
+        member = any(f"{module}.{n}.weight" in params for g in SIBLING_PROJECTIONS if name in g for n in g if n != name)
+        if v.dim() >= 2 and not member:  # out > in: a row-major W^T
+            assert v.shape[-2] > v.shape[-1] and not v.is_contiguous() and v.transpose(-1, -2).stride(-1) == 1, k
         if group is not None and k.endswith(".weight"):
             groups += 1
             members = [laid[f"{module}.{n}.weight"] for n in group]
             assert len({m.untyped_storage().data_ptr() for m in members}) == 1  # one copy, side by side
-            assert all(m.stride() == (1, sum(w.shape[0] for w in members)) for m in members)
+            total, width = sum(w.shape[0] for w in members), members[0].shape[1]
+            assert all(m.stride() == ((1, total) if total > width else (width, 1)) for m in members)
+    kept = [k for k in params if laid[k] is params[k] and params[k].dim() >= 2 and k != "model.embed_tokens.weight"]
+    assert all(params[k].shape[-2] <= params[k].shape[-1] and params[k].is_contiguous() for k in kept), kept
     # per layer: attention (q/k/v, or MLA's q_a or q with kv_a; GLM-4's gate_up is one weight already) and the
     # dense or shared-expert MLP (deepseek3: 2 layers and its MTP layer; qwen3_moe: layer 0 dense, layer 1 MoE)
     expected = {"qwen3": 2 * 2, "deepseek3": 3 * 2, "glm4": 2 * 1, "qwen3_moe": 2 + 1}[family]
@@ -213,3 +220,70 @@ def test_decode_layout_keeps_values_and_tokens(family, q_lora_rank):
     fewer = {"qwen3": 2 * (2 + 1), "deepseek3": 2 * (1 + 1), "glm4": 2 * 2, "qwen3_moe": 2 * 2 + 1}[family]
     assert plain.n - joint.n == fewer, (plain.n, joint.n)
     assert torch.equal(generate(model, laid, ids, 12), generate(model, params, ids, 12))
+    # the same with every mat-vec split over 2 threads (the tiny weights are below the size that pays)
+    monkeypatch.setattr(layers, "MATVEC_SPLIT_MIN", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            cache = model.init_cache(1, 8)
+            step = model.forward(params, {"input_ids": ids}, cache).cache
+            nxt = ids[:, -1:]
+            want = model.forward(params, {"input_ids": nxt}, {k: v for k, v in step.items()}).logits
+            with _CountMatmuls() as split:
+                got = model.forward(laid, {"input_ids": nxt}, step).logits
+        assert (want - got).abs().max().item() <= 1e-5
+        assert split.n > 0
+        assert torch.equal(generate(model, laid, ids, 12), generate(model, params, ids, 12))
+    finally:
+        torch.set_num_threads(threads)
+
+
+
+@pytest.mark.parametrize("layout", ["W", "W^T", "W^T column slice", "W row slice", "expert W^T", "expert W"])
+def test_threaded_matvec_equals_linear(layout, monkeypatch):
+    """mff.nn.layers.threaded_matvec splits a one-row fp32 product x W^T over the threads as
+    one bmm over views of W (no copy) for the two layouts decode_layout makes, each output
+    equal to F.linear's to fp32 rounding; ``linear`` takes it only without grad."""
+    import torch.nn.functional as F
+
+    from mff.nn.layers import linear, threaded_matvec
+
+    g = torch.Generator().manual_seed(0)
+    D, Fo = 384, 768
+    big = torch.randn(2 * Fo, 2 * D, generator=g)
+    w = {"W": torch.randn(Fo, D, generator=g),
+         "W^T": torch.randn(D, Fo, generator=g).t(),
+         "W^T column slice": torch.randn(D, 2 * Fo, generator=g)[:, Fo // 2:Fo // 2 + Fo].t(),  # strides (1, 2 Fo), offset
+         "W row slice": big[Fo // 3:Fo // 3 + Fo, :D],  # [Fo, D] with strides (2 D, 1), offset
+         "expert W^T": torch.randn(3, D, Fo, generator=g).transpose(1, 2)[1],
+         "expert W": torch.randn(3, Fo, D, generator=g)[2]}[layout]
+    x = torch.randn(1, 1, D, generator=g)
+    want = F.linear(x, w)
+    threads = torch.get_num_threads()
+    try:
+        for P in (2, 3):
+            torch.set_num_threads(P)
+            with _CountMatmuls() as mm:
+                got = threaded_matvec(x, w)
+            assert got is not None and got.shape == (1, 1, Fo) and mm.n == 1
+            assert (got - want).abs().max().item() <= 1e-4
+            assert (threaded_matvec(x[0, 0], w) - want[0, 0]).abs().max().item() <= 1e-4  # a 1-D row
+            with torch.no_grad():
+                b = torch.randn(Fo, generator=g)
+                assert (linear(x, w, b) - F.linear(x, w, b)).abs().max().item() <= 1e-4
+        # where it does not apply: the caller runs F.linear
+        assert threaded_matvec(x.bfloat16(), w.bfloat16()) is None
+        assert threaded_matvec(x, w[:Fo - 1]) is None  # 767 outputs over 3 threads
+        assert threaded_matvec(x[..., ::2], w[::2, ::2]) is None  # neither rows nor columns unit-stride
+        monkeypatch.setattr("mff.nn.layers.MATVEC_SPLIT_MIN", w.numel() + 1)
+        assert threaded_matvec(x, w) is None
+        monkeypatch.undo()
+        torch.set_num_threads(1)
+        assert threaded_matvec(x, w) is None
+        torch.set_num_threads(2)
+        with _CountMatmuls() as mm:
+            linear(x, w)  # grad enabled: F.linear (one mm)
+        assert mm.n == 1 and threaded_matvec(x, w) is not None
+    finally:
+        torch.set_num_threads(threads)

@@ -31,6 +31,7 @@ from torch import nn
 
 from mff.backend import ops
 from mff.nn import grouped_gemm  # noqa: F401  (registers the mff::grouped_mm custom ops)
+from mff.nn.layers import linear
 from mff.nn.lora import slot_name
 from mff.nn.mlp import GatedMLP
 from mff.parallel.ep import all_to_all, exchange_counts, expert_group, plan_receive, plan_send
@@ -360,8 +361,8 @@ class Experts(nn.Module):
             # nothing; with grads each slot's select would make a whole [E, ...] gradient)
             rows = []
             for s, e in enumerate(flat.tolist()):
-                g, u = F.linear(x_SD[s], w1[e]).chunk(2, dim=-1)  # [I] each
-                rows.append(F.linear(F.silu(g) * u, w2[e]))
+                g, u = linear(x_SD[s], w1[e]).chunk(2, dim=-1)  # [I] each
+                rows.append(linear(F.silu(g) * u, w2[e]))
             y = torch.stack(rows)  # [S, D]
         else:
             g, u = torch.bmm(x_SD[:, None, :], w1[flat].transpose(1, 2)).chunk(2, dim=-1)  # [S, 1, I]
