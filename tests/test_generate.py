@@ -287,3 +287,16 @@ def test_threaded_matvec_equals_linear(layout, monkeypatch):
         assert mm.n == 1 and threaded_matvec(x, w) is not None
     finally:
         torch.set_num_threads(threads)
+
+
+def test_generate_runs_in_inference_mode_and_returns_an_ordinary_tensor():
+    """generate decodes under torch.inference_mode (the streamed ids are inference tensors) and
+    returns ids the caller can modify in place, also after a call made with grads enabled."""
+    model, params = _model("qwen3")
+    ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(0))
+    seen = []
+    out = generate(model, params, ids, 3, on_token=lambda t: seen.append((t.is_inference(), torch.is_inference_mode_enabled())))
+    assert seen and all(a and b for a, b in seen)
+    assert not out.is_inference() and out.shape == (1, 7)
+    out[:, -1] = 0  # an inference tensor would raise here
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
