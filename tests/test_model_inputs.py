@@ -52,3 +52,17 @@ def test_bad_params_and_counts(tiny):
         model.init("abc")
     with pytest.raises(ValueError, match="sequence length 5000 exceeds max_position_embeddings 4096"):
         model.forward(params, {"input_ids": _ids(1, 5000)})
+
+
+def test_missing_or_extra_params_are_named(tiny):
+    """forward checks the param paths against the skeleton's (also with check=False, which
+    skips only the batch checks): a missing or an extra path raises and names it."""
+    model, params = tiny
+    batch = {"input_ids": _ids(1, 4)}
+    fewer = {k: v for k, v in params.items() if k != "model.norm.weight"}
+    with pytest.raises(RuntimeError, match=r"1 missing \['model.norm.weight'\], 0 unexpected"):
+        model.forward(fewer, batch, check=False)
+    more = {**params, "model.extra.weight": torch.zeros(2)}
+    with pytest.raises(RuntimeError, match=r"0 missing \[\], 1 unexpected \['model.extra.weight'\]"):
+        model.forward(more, batch, check=False)
+    assert model.forward(params, batch, check=False).logits.shape == (1, 4, model.config.vocab_size)

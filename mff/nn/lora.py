@@ -18,7 +18,7 @@ Shapes (PEFT's ``lora.Linear`` orientation, per expert for stacked experts):
 
 ``y = x W^T + s (dropout(x) A^T) B^T`` with ``s = alpha / r`` (or ``alpha / sqrt(r)``,
 rsLoRA, Kalajdzievski 2023). Dropout acts only while gradients are being computed (training);
-evaluation and generation run under ``torch.no_grad`` and see no dropout. With ``B = 0`` the
+evaluation and generation run without grad (``torch.no_grad``, ``torch.inference_mode``) and see no dropout. With ``B = 0`` the
 output equals the base model's.
 """
 
