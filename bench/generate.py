@@ -1,6 +1,6 @@
 """Generation benchmark: mff's KV-cache decoding against HF transformers' ``generate``.
 
-    python bench/generate.py [--threads 2 --prompt-len 32 --new-tokens 128 --repeats 3]
+    python bench/generate.py [--threads 2 --prompt-len 32 --new-tokens 128 --repeats 5]
 
 For each benchmark config (``bench/configs.py``: qwen3_bench, deepseek3_bench) the same random
 weights run in HF transformers (fp32, greedy ``generate``) and in mff (greedy
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -136,7 +136,8 @@ def main() -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        print("| " + " | ".join(f"{r[h]:.1f}" if isinstance(r[h], float) else str(r[h]) for h in head) + " |")
+        print("| " + " | ".join((f"{r[h]:.2f}" if h == "x HF" else f"{r[h]:.1f}") if isinstance(r[h], float) else str(r[h])
+                                for h in head) + " |")
 
 
 if __name__ == "__main__":
