@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from mff.model import Model
+from mff.nn.layers import _side_by_side
 from mff.sampling import SamplingConfig, mark_seen, sample, seen_mask_from_ids
 
 __all__ = ["cache_bucket", "decode_layout", "generate", "greedy_generate"]
@@ -74,9 +75,10 @@ def generate(
             ``step_s`` (the median of the later steps) and ``steps``; the device is
             synchronised around each step for it.
     Runs under ``torch.inference_mode`` (no autograd bookkeeping: measured 6-8% less time per
-    eager decode step than ``torch.no_grad`` on the benchmark configs); the ids given to
-    ``on_token`` and ``stop_fn`` are inference tensors (read them; clone one to keep it for
-    in-place use), the returned ids an ordinary tensor.
+    eager decode step than ``torch.no_grad`` on the benchmark configs). ``on_token`` and
+    ``stop_fn`` run outside it, under ``torch.no_grad``, and get ordinary tensors (copies of the
+    step's ids, theirs to keep or modify); the returned ids are an ordinary tensor unless the
+    caller itself runs under ``torch.inference_mode``.
 
     Returns:
         int64 [B, T + n], n <= ``max_new_tokens`` (fewer when every row stopped early).
@@ -167,12 +169,17 @@ def _generate(
         nxt = sample(logits.float(), sampling, gen, seen)
         nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         out_ids.append(nxt[:, None])
-        if on_token is not None:
-            on_token(nxt)
+        if on_token is not None or stop_fn is not None:
+            with torch.inference_mode(False), torch.no_grad():  # callbacks get ordinary tensors, as before
+                shown = nxt.clone()
+                if on_token is not None:
+                    on_token(shown)
+                if stop_fn is not None:
+                    stopped = stop_fn(shown.clone()).to(device=device, dtype=torch.bool)
+            if stop_fn is not None:
+                done = done | stopped
         if stops:
             done = done | torch.isin(nxt, stop_t)
-        if stop_fn is not None:
-            done = done | stop_fn(nxt).to(device=device, dtype=torch.bool)
         if (stops or stop_fn is not None) and bool(done.all()):
             break
         if step == max_new_tokens - 1:
@@ -235,9 +242,16 @@ def decode_layout(params: Mapping[str, torch.Tensor], on_cpu_only: bool = True) 
     ``on_cpu_only`` (default) tensors on other devices are kept as they are.
 
     Returns a new dict (other params are the same tensor objects); the copies take as much
-    memory as the weights they replace, whose memory is freed once nothing else holds them.
-    Meant for inference (``generate``): the params of training keep their own layout.
+    memory as the weights they replace, whose memory is freed once nothing else holds them, and
+    need no grad (made under ``torch.no_grad``). Params already laid out are kept, so a second
+    call copies nothing. Meant for inference (``generate``): the params of training keep their
+    own layout.
     """
+    with torch.no_grad():
+        return _decode_layout(params, on_cpu_only)
+
+
+def _decode_layout(params: Mapping[str, torch.Tensor], on_cpu_only: bool) -> dict[str, torch.Tensor]:
     def movable(v: torch.Tensor) -> bool:
         return v.is_contiguous() and (v.device.type == "cpu" or not on_cpu_only)
 
@@ -262,6 +276,8 @@ def decode_layout(params: Mapping[str, torch.Tensor], on_cpu_only: bool = True) 
                     or any(has_bias) and not (all(has_bias) and all(plain(b) and b.dtype == ws[0].dtype for b in biases))):
                 continue
             wide = sum(w.shape[0] for w in ws) > ws[0].shape[1]
+            if not wide and _side_by_side(ws) is not None and (not any(has_bias) or _side_by_side(biases) is not None):
+                continue  # stacked row-major in one storage already (a second call)
             joint = torch.cat([w.t() for w in ws], dim=1) if wide else torch.cat(ws)  # [in, sum out] or [sum out, in]
             joint_bias = torch.cat(biases) if all(has_bias) else None
             start = 0

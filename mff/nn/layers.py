@@ -33,13 +33,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a sum over D, which the compiler fuses into one vectorised pass over the weight: a
     memory-bound mat-vec that streams the weight near the memory bandwidth, where the BLAS
     GEMM path for one row reaches about half of it on CPU. Eager code uses ``F.linear``, except
-    for one fp32 row without grad on a CPU, which runs as :func:`threaded_matvec` where that applies.
+    for one fp32 row without grad on a CPU (no bias, or an fp32 [F] one), which runs as
+    :func:`threaded_matvec` where that applies; not under ``torch.jit.trace`` or a Python
+    dispatch mode (``make_fx``), which would record the weight's views with its strides fixed.
     """
     if torch.compiler.is_compiling():
         if x.numel() <= 4 * x.shape[-1]:
             y = (x.unsqueeze(-2) * weight).sum(-1)
             return y + bias if bias is not None else y
-    elif x.numel() == x.shape[-1] and not torch.is_grad_enabled() and x.device.type == "cpu":
+    elif (not torch.jit.is_tracing() and torch._C._len_torch_dispatch_stack() == 0  # tracers would fix the views' strides
+          and not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() == x.shape[-1]
+          and (bias is None or (type(bias) in (torch.Tensor, nn.Parameter) and bias.dtype == x.dtype and bias.shape == weight.shape[:1]))):
         y = threaded_matvec(x, weight)
         if y is not None:
             return y + bias if bias is not None else y
@@ -57,15 +61,18 @@ def threaded_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     P threads (measured on 2 cores, fp32: a 512 -> 1536 projection from 19.5 to 25.5 GB/s laid
     out as ``W^T``, a 1536 -> 512 one from 15.5 to 27.5 GB/s laid out as ``W``).
 
-    Returns [..., F] (x's dtype), or None where the split does not apply: not fp32, one thread,
-    fewer than :data:`MATVEC_SPLIT_MIN` weight elements, F not divisible by P, a tensor subclass,
-    or a weight whose rows or columns are not unit-stride (row-major ``W`` or the transposed
-    view of a row-major ``W^T``, as :func:`mff.generate.decode_layout` lays them out). Each
-    output is the same dot product as ``F.linear``'s, up to the BLAS's summation order.
+    Returns [..., F] (x's dtype), or None where the split does not apply: more than one row,
+    not fp32, one thread, fewer than :data:`MATVEC_SPLIT_MIN` weight elements (or none), F not
+    divisible by P, D not x's width, a tensor subclass or a sparse weight, or a weight whose rows or columns are not unit-stride (row-major
+    ``W`` or the transposed view of a row-major ``W^T``, as :func:`mff.generate.decode_layout`
+    lays them out). Each output is the same dot product as ``F.linear``'s, up to the BLAS's
+    summation order. The device and grad mode are the caller's to check (:func:`linear` calls
+    it on a CPU without grad; under grad the result is differentiable like ``F.linear``'s).
     """
     P = torch.get_num_threads()
-    if (P < 2 or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2
-            or type(weight) not in (torch.Tensor, nn.Parameter) or weight.numel() < MATVEC_SPLIT_MIN):
+    if (P < 2 or x.numel() != x.shape[-1] or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2
+            or type(weight) not in (torch.Tensor, nn.Parameter) or weight.layout != torch.strided
+            or weight.numel() < max(MATVEC_SPLIT_MIN, 1) or weight.shape[1] != x.shape[-1]):
         return None
     F_out, D = weight.shape
     if F_out % P:
