@@ -75,7 +75,10 @@ def generate(
             ``step_s`` (the median of the later steps) and ``steps``; the device is
             synchronised around each step for it.
     Runs under ``torch.inference_mode`` (no autograd bookkeeping: measured 6-8% less time per
-    eager decode step than ``torch.no_grad`` on the benchmark configs). ``on_token`` and
+    eager decode step than ``torch.no_grad`` on the benchmark configs) when the params are plain
+    tensors on a CPU or CUDA device; otherwise (DTensors and other tensor subclasses, whose
+    Python dispatch cannot make views of inference tensors, and devices not tried with it, such
+    as the NPU) under ``torch.no_grad``. ``on_token`` and
     ``stop_fn`` run outside it, under ``torch.no_grad``, and get ordinary tensors (copies of the
     step's ids, theirs to keep or modify); the returned ids are an ordinary tensor unless the
     caller itself runs under ``torch.inference_mode``.
@@ -88,7 +91,8 @@ def generate(
             sampling parameters (named), ``prefill_chunk`` < 0, right padding (a row whose mask
             ends in 0), ids outside the vocabulary, a ``pad_token_id`` outside it, a bad seed.
     """
-    with torch.inference_mode():
+    plain = input_ids.device.type in ("cpu", "cuda") and all(type(v) in (torch.Tensor, torch.nn.Parameter) for v in params.values())
+    with torch.inference_mode() if plain else torch.no_grad():
         ids = _generate(model, params, input_ids, max_new_tokens, attention_mask=attention_mask, sampling=sampling,
                         eos_token_id=eos_token_id, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, seed=seed,
                         prefill_chunk=prefill_chunk, on_token=on_token, stop_fn=stop_fn, compile=compile, timings=timings)

@@ -312,7 +312,17 @@ def test_generate_runs_in_inference_mode_and_returns_an_ordinary_tensor():
         t.add_(1)  # its own copy: does not change the tokens
         return torch.zeros_like(t, dtype=torch.bool)
 
+    forward_modes = []
+    real_forward = model.forward
+
+    def forward(*a, **k):
+        forward_modes.append(torch.is_inference_mode_enabled())
+        return real_forward(*a, **k)
+
+    model.forward = forward
     out = generate(model, params, ids, 3, on_token=on_token, stop_fn=stop_fn)
+    del model.forward
+    assert forward_modes and all(forward_modes)  # plain CPU params: the decode runs in inference mode
     assert modes and all(m == (False, False) for m in modes)
     assert not any(t.is_inference() for t in kept) and torch.equal(torch.stack(kept, 1), out[:, 4:])
     kept[0].add_(1)
