@@ -12,13 +12,14 @@ sequence again): exact and slow, for tests.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from mff.model import Model
-from mff.nn.layers import _side_by_side
+from mff.nn.layers import _side_by_side, is_plain
 from mff.sampling import SamplingConfig, mark_seen, sample, seen_mask_from_ids
 
 __all__ = ["cache_bucket", "decode_layout", "generate", "greedy_generate"]
@@ -33,6 +34,23 @@ def _ids(x: int | Iterable[int] | None, name: str = "eos_token_id") -> list[int]
     return items
 
 
+def _without_autograd(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Run ``fn(model, params, input_ids, ...)`` under ``torch.inference_mode`` when ``params``
+    are plain tensors and ``input_ids`` is on a CPU or CUDA device, else under ``torch.no_grad``;
+    its result is returned as an ordinary tensor (cloned outside inference mode)."""
+
+    @functools.wraps(fn)
+    def wrapper(model: Model, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        plain = (isinstance(input_ids, torch.Tensor) and input_ids.device.type in ("cpu", "cuda") and isinstance(params, Mapping)
+                 and all(is_plain(v) for v in params.values()))  # anything else: generate's own checks raise
+        with torch.inference_mode() if plain else torch.no_grad():
+            ids = fn(model, params, input_ids, *args, **kwargs)
+        return ids.clone()  # outside inference mode: an ordinary tensor the caller may modify in place
+
+    return wrapper
+
+
+@_without_autograd
 def generate(
     model: Model,
     params: Mapping[str, torch.Tensor],
@@ -91,32 +109,6 @@ def generate(
             sampling parameters (named), ``prefill_chunk`` < 0, right padding (a row whose mask
             ends in 0), ids outside the vocabulary, a ``pad_token_id`` outside it, a bad seed.
     """
-    plain = input_ids.device.type in ("cpu", "cuda") and all(type(v) in (torch.Tensor, torch.nn.Parameter) for v in params.values())
-    with torch.inference_mode() if plain else torch.no_grad():
-        ids = _generate(model, params, input_ids, max_new_tokens, attention_mask=attention_mask, sampling=sampling,
-                        eos_token_id=eos_token_id, stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, seed=seed,
-                        prefill_chunk=prefill_chunk, on_token=on_token, stop_fn=stop_fn, compile=compile, timings=timings)
-    return ids.clone()  # outside inference mode: an ordinary tensor the caller may modify in place
-
-
-def _generate(
-    model: Model,
-    params: Mapping[str, torch.Tensor],
-    input_ids: torch.Tensor,
-    max_new_tokens: int = 32,
-    *,
-    attention_mask: torch.Tensor | None = None,
-    sampling: SamplingConfig | None = None,
-    eos_token_id: int | Iterable[int] | None = None,
-    stop_token_ids: Iterable[int] = (),
-    pad_token_id: int = 0,
-    seed: int | None = None,
-    prefill_chunk: int = 0,
-    on_token: Callable[[torch.Tensor], None] | None = None,
-    stop_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    compile: bool = False,
-    timings: dict[str, float] | None = None,
-) -> torch.Tensor:
     sampling = sampling or SamplingConfig(temperature=0.0)
     sampling.validate()
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.numel() == 0:
@@ -259,8 +251,8 @@ def _decode_layout(params: Mapping[str, torch.Tensor], on_cpu_only: bool) -> dic
     def movable(v: torch.Tensor) -> bool:
         return v.is_contiguous() and (v.device.type == "cpu" or not on_cpu_only)
 
-    def plain(v: torch.Tensor) -> bool:  # not a DTensor or other subclass: its storage is the data
-        return type(v) in (torch.Tensor, torch.nn.Parameter) and movable(v)
+    def plain(v: torch.Tensor) -> bool:
+        return is_plain(v) and movable(v)
 
     out = dict(params)
     done: set[str] = set()

@@ -23,7 +23,13 @@ from mff.nn.lora import add_low_rank, lora_input, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, reduce_from_tp, tp_shard
 
-__all__ = ["Linear", "Embedding", "RMSNorm", "linear", "linears", "threaded_matvec"]
+__all__ = ["Linear", "Embedding", "RMSNorm", "is_plain", "linear", "linears", "threaded_matvec"]
+
+
+def is_plain(t: torch.Tensor) -> bool:
+    """True for an ordinary ``torch.Tensor`` or ``nn.Parameter``: not a DTensor or another tensor
+    subclass, so its storage holds its data and views of it are plain strided views."""
+    return type(t) in (torch.Tensor, nn.Parameter)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -43,7 +49,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return y + bias if bias is not None else y
     elif (not torch.jit.is_tracing() and torch._C._len_torch_dispatch_stack() == 0  # tracers would fix the views' strides
           and not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() == x.shape[-1]
-          and (bias is None or (type(bias) in (torch.Tensor, nn.Parameter) and bias.dtype == x.dtype and bias.shape == weight.shape[:1]))):
+          and (bias is None or (is_plain(bias) and bias.dtype == x.dtype and bias.shape == weight.shape[:1]))):
         y = threaded_matvec(x, weight)
         if y is not None:
             return y + bias if bias is not None else y
@@ -71,7 +77,7 @@ def threaded_matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
     """
     P = torch.get_num_threads()
     if (P < 2 or x.numel() != x.shape[-1] or x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.dim() != 2
-            or type(weight) not in (torch.Tensor, nn.Parameter) or weight.layout != torch.strided
+            or not is_plain(weight) or weight.layout != torch.strided
             or weight.numel() < max(MATVEC_SPLIT_MIN, 1) or weight.shape[1] != x.shape[-1]):
         return None
     F_out, D = weight.shape
@@ -94,7 +100,7 @@ def _side_by_side(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
     biases) when they already lie side by side in one storage, as
     :func:`mff.generate.decode_layout` lays them out: same storage, plain tensors that need no
     grad, consecutive offsets, equal strides. None otherwise (the caller runs them one by one)."""
-    if any(t is None or type(t) not in (torch.Tensor, nn.Parameter) or t.requires_grad for t in tensors):
+    if any(t is None or not is_plain(t) or t.requires_grad for t in tensors):
         return None
     first = tensors[0]
     offset, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
