@@ -12,9 +12,11 @@ sequence again): exact and slow, for tests.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -150,50 +152,55 @@ def generate(
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None and not sampling.greedy else None
     seen = seen_mask_from_ids(input_ids.masked_fill(~attention_mask, -1), V) if sampling.repetition_penalty != 1.0 else None
 
-    chunk = prefill_chunk or T
-    logits = None
-    for start in range(0, T, chunk):
-        batch = {"input_ids": input_ids[:, start:start + chunk], "attention_mask": attention_mask[:, start:start + chunk]}
-        out = model.forward(params, batch, cache, check=False, logits="last")
-        cache, logits = out.cache, out.logits[:, -1]
-    out_ids = [input_ids]
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    step_fn = _compiled_step(model) if compile else _eager_step(model)
-    step_times: list[float] = []
-    cache = {k: v for k, v in cache.items() if k != "offset"}  # capacity was checked above
-    for step in range(max_new_tokens):
-        nxt = sample(logits.float(), sampling, gen, seen)
-        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
-        out_ids.append(nxt[:, None])
-        if on_token is not None or stop_fn is not None:
-            with torch.inference_mode(False), torch.no_grad():  # callbacks get ordinary tensors, as before
-                shown = nxt.clone()
-                if on_token is not None:
-                    on_token(shown)
+    with contextlib.ExitStack() as stack:
+        # eager: the params are swapped into the skeleton once for the whole call (Model.bind),
+        # not twice per token; the compiled step takes them as inputs of its graph
+        forward = (functools.partial(model.forward, params, check=False) if compile
+                   else stack.enter_context(model.bind(params)))
+        chunk = prefill_chunk or T
+        logits = None
+        for start in range(0, T, chunk):
+            batch = {"input_ids": input_ids[:, start:start + chunk], "attention_mask": attention_mask[:, start:start + chunk]}
+            out = forward(batch, cache, logits="last")
+            cache, logits = out.cache, out.logits[:, -1]
+        out_ids = [input_ids]
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        step_fn = _compiled_step(model) if compile else _bound_step(forward)
+        step_times: list[float] = []
+        cache = {k: v for k, v in cache.items() if k != "offset"}  # capacity was checked above
+        for step in range(max_new_tokens):
+            nxt = sample(logits.float(), sampling, gen, seen)
+            nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+            out_ids.append(nxt[:, None])
+            if on_token is not None or stop_fn is not None:
+                with torch.inference_mode(False), torch.no_grad():  # callbacks get ordinary tensors, as before
+                    shown = nxt.clone()
+                    if on_token is not None:
+                        on_token(shown)
+                    if stop_fn is not None:
+                        stopped = stop_fn(shown.clone()).to(device=device, dtype=torch.bool)
                 if stop_fn is not None:
-                    stopped = stop_fn(shown.clone()).to(device=device, dtype=torch.bool)
-            if stop_fn is not None:
-                done = done | stopped
-        if stops:
-            done = done | torch.isin(nxt, stop_t)
-        if (stops or stop_fn is not None) and bool(done.all()):
-            break
-        if step == max_new_tokens - 1:
-            break
-        if seen is not None:
-            seen = mark_seen(seen, nxt.clamp(0, V - 1))
-        t0 = _clock(device) if timings is not None else 0.0
-        if compile and step >= 2:
-            # compiled, and its guards passed twice: skip re-checking them for this call only
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    done = done | stopped
+            if stops:
+                done = done | torch.isin(nxt, stop_t)
+            if (stops or stop_fn is not None) and bool(done.all()):
+                break
+            if step == max_new_tokens - 1:
+                break
+            if seen is not None:
+                seen = mark_seen(seen, nxt.clamp(0, V - 1))
+            t0 = _clock(device) if timings is not None else 0.0
+            if compile and step >= 2:
+                # compiled, and its guards passed twice: skip re-checking them for this call only
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    logits, cache = step_fn(params, nxt, cache)
+            else:
                 logits, cache = step_fn(params, nxt, cache)
-        else:
-            logits, cache = step_fn(params, nxt, cache)
+            if timings is not None:
+                step_times.append(_clock(device) - t0)
         if timings is not None:
-            step_times.append(_clock(device) - t0)
-    if timings is not None:
-        timings.update(_summary(step_times))
-    return torch.cat(out_ids, dim=1)
+            timings.update(_summary(step_times))
+        return torch.cat(out_ids, dim=1)
 
 
 def _clock(device: torch.device) -> float:
@@ -313,6 +320,16 @@ def cache_bucket(length: int, limit: int) -> int:
 def _eager_step(model: Model):
     def step(params, tok, cache):
         out = model.forward(params, {"input_ids": tok[:, None]}, cache, check=False)
+        return out.logits[:, -1], out.cache
+
+    return step
+
+
+def _bound_step(forward: Callable[..., Any]):
+    """The eager step over ``forward`` from :meth:`Model.bind` (params already in the skeleton;
+    the step's ``params`` argument is ignored)."""
+    def step(params, tok, cache):
+        out = forward({"input_ids": tok[:, None]}, cache)
         return out.logits[:, -1], out.cache
 
     return step

@@ -9,10 +9,11 @@ the step function applies the expert-bias update.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -532,21 +533,32 @@ class Model:
                 ``target_counts`` lacking a term of this batch; a full cache.
             RuntimeError: missing or unexpected param paths (named).
         """
+        if check:
+            self._check_inputs(params, batch, target_counts)
+        params = self._skeleton_params(params)
+        return self._call_skeleton(params, self._skeleton_kwargs(batch, cache, target_counts, logits))
+
+    def _skeleton_kwargs(self, batch: Mapping[str, torch.Tensor], cache: Any, target_counts: Any,
+                         logits: bool | str | torch.Tensor) -> dict[str, Any]:
         if isinstance(logits, torch.Tensor):
             if logits.dtype != torch.int64 or logits.dim() != 1:
                 raise ValueError(f"logits positions must be an int64 [K] tensor, got {logits.dtype} {tuple(logits.shape)}")
         elif logits not in (True, False, "last"):
             raise ValueError(f"logits={logits!r}; expected True, False, 'last' or an int64 [K] tensor of positions")
-        if check:
-            self._check_inputs(params, batch, target_counts)
-        params = self._skeleton_params(params)
         kwargs = dict(batch)
         kwargs["target_counts"] = target_counts
         if self._takes_return_logits:
             kwargs["return_logits"] = logits
         if cache is not None:
             kwargs["cache"] = cache
-        return self._call_skeleton(params, kwargs)
+        return kwargs
+
+    def _check_param_names(self, params: Mapping[str, torch.Tensor]) -> None:
+        names = self._param_names
+        if params.keys() != names:
+            missing, unexpected = sorted(names - params.keys()), sorted(params.keys() - names)
+            raise RuntimeError(f"params do not match the model's param paths: {len(missing)} missing {missing[:3]}, "
+                               f"{len(unexpected)} unexpected {unexpected[:3]}")
 
     def _call_skeleton(self, params: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> Any:
         """``torch.func.functional_call(self.skeleton, params, kwargs=kwargs)`` with the params
@@ -556,12 +568,36 @@ class Model:
         benchmark configs (6% of an eager decode step); with them it is the strict call."""
         if self._tied:
             return torch.func.functional_call(self.skeleton, params, args=(), kwargs=kwargs, strict=True)
-        names = self._param_names
-        if params.keys() != names:
-            missing, unexpected = sorted(names - params.keys()), sorted(params.keys() - names)
-            raise RuntimeError(f"params do not match the model's param paths: {len(missing)} missing {missing[:3]}, "
-                               f"{len(unexpected)} unexpected {unexpected[:3]}")
+        self._check_param_names(params)
         return torch.func.functional_call(self.skeleton, params, args=(), kwargs=kwargs, strict=False, tie_weights=False)
+
+    @contextlib.contextmanager
+    def bind(self, params: Mapping[str, torch.Tensor]) -> Iterator[Callable[..., Output]]:
+        """Bind ``params`` to the skeleton for a block of calls; yields ``forward(batch, cache=None,
+        *, target_counts=None, logits=True) -> Output``, :meth:`forward` without its ``params``
+        and its input checks (``check=False``).
+
+        :meth:`forward` swaps the params into the skeleton and back on every call
+        (``torch.func.functional_call``); a decode loop calls it once per token, and the two swaps
+        of a few hundred tensors cost about 5% of an eager batch-1 decode step on the benchmark
+        configs. Here they are swapped in once on entry and restored on exit (also on an
+        exception), with the same path checks as :meth:`forward`. Calls of :meth:`forward` inside
+        the block, with these or other params, work as usual (they swap theirs in and restore
+        these). The skeleton is shared: no other thread may run this model inside the block.
+
+        Raises:
+            ValueError / RuntimeError: as :meth:`forward` for missing, extra or stray adapter paths.
+        """
+        params = self._skeleton_params(params)
+        if not self._tied:
+            self._check_param_names(params)
+
+        def forward(batch: Mapping[str, torch.Tensor], cache: Any = None, *, target_counts: Any = None,
+                    logits: bool | str | torch.Tensor = True) -> Output:
+            return self.skeleton(**self._skeleton_kwargs(batch, cache, target_counts, logits))
+
+        with _reparametrize_module(self.skeleton, params, tie_weights=self._tied, strict=self._tied):
+            yield forward
 
     def _skeleton_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``params`` keyed as the skeleton names them: adapter paths become their slots'

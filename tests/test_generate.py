@@ -313,15 +313,9 @@ def test_generate_runs_in_inference_mode_and_returns_an_ordinary_tensor():
         return torch.zeros_like(t, dtype=torch.bool)
 
     forward_modes = []
-    real_forward = model.forward
-
-    def forward(*a, **k):
-        forward_modes.append(torch.is_inference_mode_enabled())
-        return real_forward(*a, **k)
-
-    model.forward = forward
+    hook = model.skeleton.register_forward_pre_hook(lambda *_: forward_modes.append(torch.is_inference_mode_enabled()))
     out = generate(model, params, ids, 3, on_token=on_token, stop_fn=stop_fn)
-    del model.forward
+    hook.remove()
     assert forward_modes and all(forward_modes)  # plain CPU params: the decode runs in inference mode
     assert modes and all(m == (False, False) for m in modes)
     assert not any(t.is_inference() for t in kept) and torch.equal(torch.stack(kept, 1), out[:, 4:])
