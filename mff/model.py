@@ -172,6 +172,7 @@ class Model:
         named = list(self.skeleton.named_parameters(remove_duplicate=False))  # adapter slots included
         self._tied = len({id(p) for _, p in named}) != len(named)  # one Parameter under two names
         self._param_names = frozenset(n for n, _ in named)
+        self._bound = False  # inside a bind block (bind blocks do not nest)
 
     def _attach(self, lora: LoRASpec) -> None:
         if lora.r < 1:
@@ -581,23 +582,45 @@ class Model:
         (``torch.func.functional_call``); a decode loop calls it once per token, and the two swaps
         of a few hundred tensors cost about 5% of an eager batch-1 decode step on the benchmark
         configs. Here they are swapped in once on entry and restored on exit (also on an
-        exception), with the same path checks as :meth:`forward`. Calls of :meth:`forward` inside
-        the block, with these or other params, work as usual (they swap theirs in and restore
-        these). The skeleton is shared: no other thread may run this model inside the block.
+        exception), with the same path checks as :meth:`forward` (shapes are not checked). The
+        tensors are read once, on entry: replacing a tensor in ``params`` inside the block has no
+        effect (changing one in place does). Calls of :meth:`forward` inside the block, with these
+        or other params, work as usual (they swap theirs in and restore these). Blocks do not
+        nest or overlap on one model (see :attr:`is_bound`), and the skeleton is shared: no other
+        thread may run this model inside the block.
 
         Raises:
             ValueError / RuntimeError: as :meth:`forward` for missing, extra or stray adapter paths.
+            RuntimeError: the model is already inside a bind block; the yielded ``forward``
+                called after its block has ended.
         """
+        if self._bound:
+            raise RuntimeError("this model is already inside a bind block: bind blocks do not nest or overlap "
+                               "(they would mix params); call model.forward(params, ...) inside it instead")
         params = self._skeleton_params(params)
         if not self._tied:
             self._check_param_names(params)
+        live = [True]
 
         def forward(batch: Mapping[str, torch.Tensor], cache: Any = None, *, target_counts: Any = None,
                     logits: bool | str | torch.Tensor = True) -> Output:
+            if not live[0]:
+                raise RuntimeError("this forward came from a Model.bind block that has ended; its params are no longer "
+                                   "bound (call it inside the with block, or use model.forward(params, ...))")
             return self.skeleton(**self._skeleton_kwargs(batch, cache, target_counts, logits))
 
         with _reparametrize_module(self.skeleton, params, tie_weights=self._tied, strict=self._tied):
-            yield forward
+            self._bound = True
+            try:
+                yield forward
+            finally:
+                self._bound = False
+                live[0] = False
+
+    @property
+    def is_bound(self) -> bool:
+        """True inside a :meth:`bind` block of this model (where another ``bind`` raises)."""
+        return self._bound
 
     def _skeleton_params(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``params`` keyed as the skeleton names them: adapter paths become their slots'

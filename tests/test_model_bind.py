@@ -79,3 +79,35 @@ def test_bind_checks_the_param_paths():
         with model.bind({**params, "model.extra.weight": torch.zeros(1)}):
             pass
     assert all(p.device.type == "meta" for p in model.skeleton.parameters())
+
+
+def test_bind_blocks_do_not_nest_and_a_stale_forward_raises():
+    model, params = _model("qwen3")
+    ids = {"input_ids": torch.zeros(1, 3, dtype=torch.int64)}
+    with torch.no_grad():
+        with model.bind(params) as forward:
+            assert model.is_bound
+            with pytest.raises(RuntimeError, match="already inside a bind block"):
+                with model.bind(params):
+                    pass
+            forward(ids)  # the outer block still holds its params
+        assert not model.is_bound
+        with pytest.raises(RuntimeError, match="has ended"):
+            forward(ids)
+    assert all(p.device.type == "meta" for p in model.skeleton.parameters())
+
+
+def test_generate_inside_a_generate_callback_uses_its_own_params():
+    """An eager generate called from another's on_token (the model already bound) swaps its params
+    per call and gives its own tokens; the outer generate's tokens are unchanged."""
+    from mff.generate import generate
+
+    model, params = _model("qwen3")
+    other = {k: v * 3.0 if v.dim() >= 2 else v for k, v in params.items()}
+    ids = torch.randint(0, 97, (1, 4), generator=torch.Generator().manual_seed(3))
+    want_outer, want_inner = generate(model, params, ids, 4), generate(model, other, ids, 4)
+    inner = []
+    outer = generate(model, params, ids, 4, on_token=lambda t: inner.append(generate(model, other, ids, 4)))
+    assert torch.equal(outer, want_outer)
+    assert inner and all(torch.equal(x, want_inner) for x in inner)
+    assert not model.is_bound and all(p.device.type == "meta" for p in model.skeleton.parameters())
