@@ -64,6 +64,39 @@ def test_masked_rows_give_zero_not_nan():
     assert m.tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
 
 
+def test_few_query_attention_matches_a_plain_loop_with_empty_rows():
+    """The decode path (T <= 16 with a mask): outputs and grads against a per-row softmax loop;
+    rows with no visible key give 0 and zero grads, a NaN in a visible key's score propagates."""
+    from mff.nn.attention import attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    B, T, S, H, K, D, E = 2, 3, 7, 4, 2, 8, 5
+    q, k, v = (torch.randn(*shape, generator=g, requires_grad=True)
+               for shape in ((B, T, H, D), (B, S, K, D), (B, S, K, E)))
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.5
+    mask[0, 0, 1] = False  # an empty row
+    mask[1, 0, 2, 3] = True
+    o = attention_torch(q, k, v, 0.3, mask)
+    ref = torch.zeros(B, T, H, E)
+    for b in range(B):
+        for t in range(T):
+            keys = mask[b, 0, t].nonzero()[:, 0]
+            for h in range(H):
+                if len(keys):
+                    p = torch.softmax(q[b, t, h] @ k[b, keys, h // 2].T * 0.3, dim=0)
+                    ref[b, t, h] = p @ v[b, keys, h // 2]
+    torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(o.square().sum(), (q, k, v))
+    grads_ref = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, r in zip(grads, grads_ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    assert grads[0][0, 1].abs().max() == 0
+    k2 = k.detach().clone()
+    k2[1, 3, 0, 0] = float("nan")  # key 3 is visible to row (1, 2): its heads 0-1 (KV head 0) turn NaN
+    o2 = attention_torch(q.detach(), k2, v.detach(), 0.3, mask)
+    assert o2[1, 2, :2].isnan().all() and not o2[0].isnan().any()
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek3"])
 def test_batch_left_padding_and_stop(family):
     model, params = _model(family)

@@ -98,8 +98,10 @@ def attention_torch(q_BTHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKE: torch.Te
         qg = q_BTHD.reshape(B, T, K, n_rep, q_BTHD.shape[-1])
         scores = torch.einsum("btkrd,bskd->bkrts", qg, k_BSKD).float() * scale  # [B, K, rep, T, S]
         m = mask_B1TS[:, :, None]  # [B, 1, 1, T, S]
-        empty = ~m.any(-1, keepdim=True)
-        probs = torch.softmax(scores.masked_fill(~(m | empty), float("-inf")), dim=-1).masked_fill(empty, 0.0)
+        # a row with no visible key softmaxes to NaN; the where selects 0 there (and at every
+        # hidden key), so NaN in visible scores still propagates. 4 ops a layer, not 7 (decode
+        # is op-dispatch bound on CPU); masked_fill's backward zeroes the hidden keys' NaN grads
+        probs = torch.where(m, torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1), 0.0)
         o = torch.einsum("bkrts,bske->btkre", probs.to(v_BSKE.dtype), v_BSKE)
         return o.reshape(B, T, H, v_BSKE.shape[-1])
     q = q_BTHD.transpose(1, 2)
