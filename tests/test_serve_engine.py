@@ -283,3 +283,21 @@ def test_metrics_can_be_read_while_the_engine_thread_runs():
         assert reads > 100 and m["generated_tokens"] > 0
     finally:
         engine.shutdown()
+
+
+def test_steps_run_in_inference_mode_with_plain_params():
+    """With plain CPU params each step's forward runs under torch.inference_mode (as generate's
+    decode does); the engine's cache stays an ordinary tensor and the tokens are unchanged."""
+    model, params = _model("qwen3")
+    req = _requests(model.config.vocab_size, count=2)
+    modes = []
+    hook = model.skeleton.register_forward_pre_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
+    try:
+        engine = Engine(model, params, EngineConfig(num_blocks=64))
+        outs = engine.run(req)
+    finally:
+        hook.remove()
+    assert modes and all(modes)
+    assert not any(t.is_inference() for layer in engine.cache["layers"] for t in layer.values())
+    for r in req:
+        assert _tokens(outs[r.request_id]) == _solo(model, params, r)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mff.generate import inference_mode_applies
 from mff.model import Model
 from mff.nn.paged import paged_batch
 from mff.sampling import mark_seen, sample, seen_mask_from_ids
@@ -95,6 +96,10 @@ class Engine:
         self.model, self.params, self.config = model, params, config
         ref = params["model.embed_tokens.weight"]
         self.device, self.dtype = ref.device, ref.dtype
+        # plain params on a CPU/CUDA device: steps run under inference mode (the cache is written in
+        # place there; what a step leaves behind, such as a request's seen-token mask, is only read
+        # or replaced by later steps)
+        self._inference_mode = inference_mode_applies(params, self.device)
         self.vocab_size = int(model.config.vocab_size)
         self.max_model_len = int(model.config.max_position_embeddings)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -252,8 +257,11 @@ class Engine:
         self.steps += 1
         return True
 
-    @torch.no_grad()
     def _run(self, chunks: list[ScheduledChunk]) -> None:
+        with torch.inference_mode() if self._inference_mode else torch.no_grad():
+            self._run_chunks(chunks)
+
+    def _run_chunks(self, chunks: list[ScheduledChunk]) -> None:
         ids: list[int] = []
         positions: list[int] = []
         spans: list[tuple[int, int]] = []  # per chunk: (first logits row, rows)
