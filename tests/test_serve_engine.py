@@ -7,6 +7,7 @@ the whole prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -290,14 +291,24 @@ def test_steps_run_in_inference_mode_with_plain_params():
     decode does); the engine's cache stays an ordinary tensor and the tokens are unchanged."""
     model, params = _model("qwen3")
     req = _requests(model.config.vocab_size, count=2)
-    modes = []
+    modes, callback_modes = [], []
+    req[0] = dataclasses.replace(req[0], stop_check=lambda toks: callback_modes.append(
+        (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.zeros(1).is_inference())) or False)
     hook = model.skeleton.register_forward_pre_hook(lambda *_: modes.append(torch.is_inference_mode_enabled()))
     try:
         engine = Engine(model, params, EngineConfig(num_blocks=64))
-        outs = engine.run(req)
+        outs = {}
+        for r in req:
+            outs[r.request_id] = []
+            engine.add_request(r, lambda o, rid=r.request_id: (outs[rid].append(o), callback_modes.append(
+                (torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.zeros(1).is_inference()))))
+        while engine.has_work():
+            engine.step()
     finally:
         hook.remove()
     assert modes and all(modes)
+    # callbacks run outside inference mode, under no_grad, and make ordinary tensors
+    assert len(callback_modes) > len(req) and all(m == (False, False, False) for m in callback_modes)
     assert not any(t.is_inference() for layer in engine.cache["layers"] for t in layer.values())
     for r in req:
         assert _tokens(outs[r.request_id]) == _solo(model, params, r)

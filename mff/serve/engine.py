@@ -19,6 +19,7 @@ batch-1 ones; on a near tie that can change a token, as in any batching server.)
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -41,6 +42,18 @@ __all__ = ["Engine", "EngineConfig", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20
 """Most alternatives per position a request may ask for (``logprobs`` / ``prompt_logprobs``; vLLM's default cap)."""
+
+
+def _outside_inference_mode() -> contextlib.ExitStack | contextlib.nullcontext:
+    """User callbacks (``on_output``, ``stop_check``) run under ``torch.no_grad`` but outside the
+    step's inference mode, so tensors they make are ordinary ones (as :func:`mff.generate.generate`
+    runs its callbacks)."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
 
 @dataclass(frozen=True)
@@ -346,7 +359,8 @@ class Engine:
     def _stop_check(self, seq: Seq) -> bool:
         """The request's ``stop_check``; one that raises ends its own request (as a stop), not the batch."""
         try:
-            return bool(seq.req.stop_check(seq.tokens[seq.num_prompt:]))
+            with _outside_inference_mode():
+                return bool(seq.req.stop_check(seq.tokens[seq.num_prompt:]))
         except Exception as e:
             self.last_error = f"stop_check of {seq.req.request_id!r}: {type(e).__name__}: {e}"
             return True
@@ -356,7 +370,8 @@ class Engine:
             out.prompt_logprobs = list(seq.prompt_logprobs)
             seq.sent_prompt_logprobs = True
         try:
-            seq.on_output(out)
+            with _outside_inference_mode():
+                seq.on_output(out)
         except Exception as e:  # a consumer that fails ends its own request only
             self.last_error = f"on_output of {seq.req.request_id!r}: {type(e).__name__}: {e}"
             if not out.finished:
