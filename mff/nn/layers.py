@@ -43,7 +43,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     so that its producer is not recomputed for each of the F outputs: in bf16 on 2 cores a
     512 -> 8192 mat-vec after an RMSNorm went from 20.6 to 36.8 GB/s (fp32: 37.5 either way),
     a compiled bf16 decode step 12% and 10% faster on qwen3_bench and deepseek3_bench
-    (2026-12-06; fp32 within noise). Eager code uses ``F.linear``, except for one fp32 row without grad on a CPU (no bias, or an fp32 [F] one), which runs as
+    (2026-12-06; fp32 within noise). Eager code uses ``F.linear``, except for one fp32 row
+    without grad on a CPU (no bias, or an fp32 [F] one), which runs as
     :func:`threaded_matvec` where that applies; not under ``torch.jit.trace`` or a Python
     dispatch mode (``make_fx``), which would record the weight's views with its strides fixed.
     """
