@@ -38,23 +38,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Under ``torch.compile`` with at most 4 rows (decoding), written as a broadcast multiply and
     a sum over D, which the compiler fuses into one vectorised pass over the weight: a
     memory-bound mat-vec that streams the weight near the memory bandwidth, where the BLAS
-    GEMM path for one row reaches about half of it on CPU. Without grad, ``x`` is first
-    materialised (an identity ``as_strided``, which Inductor lowers by writing its input out)
-    so that its producer is not recomputed for each of the F outputs: in bf16 on 2 cores a
-    512 -> 8192 mat-vec after an RMSNorm went from 20.6 to 36.8 GB/s (fp32: 37.5 either way),
-    a compiled bf16 decode step 12% and 10% faster on qwen3_bench and deepseek3_bench
-    (2026-12-06; fp32 within noise). Eager code uses ``F.linear``, except for one fp32 row
-    without grad on a CPU (no bias, or an fp32 [F] one), which runs as
+    GEMM path for one row reaches about half of it on CPU. Eager code uses ``F.linear``, except
+    for one fp32 row without grad on a CPU (no bias, or an fp32 [F] one), which runs as
     :func:`threaded_matvec` where that applies; not under ``torch.jit.trace`` or a Python
     dispatch mode (``make_fx``), which would record the weight's views with its strides fixed.
     """
     if torch.compiler.is_compiling():
         if x.numel() <= 4 * x.shape[-1]:
-            if not torch.is_grad_enabled():
-                # an identity view whose lowering makes Inductor write x out once: otherwise it
-                # inlines x's producer (the RMSNorm, SiLU * up) into the loop of every output row,
-                # recomputing it F times, which in bf16 (converts) makes the mat-vec compute-bound
-                x = x.as_strided(x.shape, x.stride())
             y = (x.unsqueeze(-2) * weight).sum(-1)
             return y + bias if bias is not None else y
     elif (not torch.jit.is_tracing() and torch._C._len_torch_dispatch_stack() == 0  # tracers would fix the views' strides
