@@ -45,9 +45,11 @@ MAX_LOGPROBS = 20
 
 
 def _outside_inference_mode() -> contextlib.ExitStack | contextlib.nullcontext:
-    """User callbacks (``on_output``, ``stop_check``) run under ``torch.no_grad`` but outside the
-    step's inference mode, so tensors they make are ordinary ones (as :func:`mff.generate.generate`
-    runs its callbacks)."""
+    """Inside a step run under inference mode, user callbacks (``on_output``, ``stop_check``) are
+    taken out of it and run under ``torch.no_grad``, so tensors they make are ordinary ones (as
+    :func:`mff.generate.generate` runs its callbacks). Outside inference mode (a step under
+    ``no_grad``, or outputs sent from :meth:`Engine.step` itself: aborts, ``max_tokens`` 0) they
+    run in the mode they were called in."""
     if not torch.is_inference_mode_enabled():
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
