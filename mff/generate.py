@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from mff.model import Model
 from mff.nn.layers import _side_by_side, is_plain
 from mff.sampling import SamplingConfig, mark_seen, sample, seen_mask_from_ids
 
-__all__ = ["cache_bucket", "decode_layout", "generate", "greedy_generate"]
+__all__ = ["cache_bucket", "decode_layout", "generate", "greedy_generate", "inference_mode_applies", "outside_inference_mode"]
 
 
 def _ids(x: int | Iterable[int] | None, name: str = "eos_token_id") -> list[int]:
@@ -45,6 +45,18 @@ def inference_mode_applies(params: Mapping[str, torch.Tensor], device: torch.dev
     1 thread, 2026-12-06) 7% and 14% more tokens/s with one request on qwen3_bench and
     deepseek3_bench, -1% and +6% with 16."""
     return torch.device(device).type in ("cpu", "cuda") and all(is_plain(v) for v in params.values())
+
+
+@contextlib.contextmanager
+def outside_inference_mode() -> Iterator[None]:
+    """For user callbacks called from code running under ``torch.inference_mode``: leave it and
+    run under ``torch.no_grad``, so tensors the callback makes are ordinary ones it may keep or
+    modify in place. Outside inference mode, the current grad mode is kept (nothing changes)."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _without_autograd(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -187,7 +199,7 @@ def generate(
             nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
             out_ids.append(nxt[:, None])
             if on_token is not None or stop_fn is not None:
-                with torch.inference_mode(False), torch.no_grad():  # callbacks get ordinary tensors, as before
+                with outside_inference_mode():  # callbacks get ordinary tensors, as before
                     shown = nxt.clone()
                     if on_token is not None:
                         on_token(shown)

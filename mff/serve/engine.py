@@ -19,7 +19,6 @@ batch-1 ones; on a near tie that can change a token, as in any batching server.)
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import threading
 import time
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mff.generate import inference_mode_applies
+from mff.generate import inference_mode_applies, outside_inference_mode
 from mff.model import Model
 from mff.nn.paged import paged_batch
 from mff.sampling import mark_seen, sample, seen_mask_from_ids
@@ -42,20 +41,6 @@ __all__ = ["Engine", "EngineConfig", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 20
 """Most alternatives per position a request may ask for (``logprobs`` / ``prompt_logprobs``; vLLM's default cap)."""
-
-
-def _outside_inference_mode() -> contextlib.ExitStack | contextlib.nullcontext:
-    """Inside a step run under inference mode, user callbacks (``on_output``, ``stop_check``) are
-    taken out of it and run under ``torch.no_grad``, so tensors they make are ordinary ones (as
-    :func:`mff.generate.generate` runs its callbacks). Outside inference mode (a step under
-    ``no_grad``, or outputs sent from :meth:`Engine.step` itself: aborts, ``max_tokens`` 0) they
-    run in the mode they were called in."""
-    if not torch.is_inference_mode_enabled():
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode(False))
-    stack.enter_context(torch.no_grad())
-    return stack
 
 
 @dataclass(frozen=True)
@@ -182,7 +167,9 @@ class Engine:
 
     def add_request(self, req: EngineRequest, on_output: Callable[[RequestOutput], None]) -> None:
         """Queue ``req``; ``on_output`` receives its outputs (called on the engine's thread: it must
-        not block). Thread-safe. :meth:`add_requests` with one request (same errors)."""
+        not block; from inside a step it runs under ``torch.no_grad`` outside the step's inference
+        mode, see :func:`mff.generate.outside_inference_mode`). Thread-safe. :meth:`add_requests`
+        with one request (same errors)."""
         self.add_requests([(req, on_output)])
 
     def add_requests(self, items: Sequence[tuple[EngineRequest, Callable[[RequestOutput], None]]]) -> None:
@@ -361,7 +348,7 @@ class Engine:
     def _stop_check(self, seq: Seq) -> bool:
         """The request's ``stop_check``; one that raises ends its own request (as a stop), not the batch."""
         try:
-            with _outside_inference_mode():
+            with outside_inference_mode():
                 return bool(seq.req.stop_check(seq.tokens[seq.num_prompt:]))
         except Exception as e:
             self.last_error = f"stop_check of {seq.req.request_id!r}: {type(e).__name__}: {e}"
@@ -372,7 +359,7 @@ class Engine:
             out.prompt_logprobs = list(seq.prompt_logprobs)
             seq.sent_prompt_logprobs = True
         try:
-            with _outside_inference_mode():
+            with outside_inference_mode():
                 seq.on_output(out)
         except Exception as e:  # a consumer that fails ends its own request only
             self.last_error = f"on_output of {seq.req.request_id!r}: {type(e).__name__}: {e}"
