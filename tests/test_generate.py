@@ -179,6 +179,32 @@ def test_compiled_decode_step_matches_eager(family):
     assert torch.equal(generate(model, params, ids[:, 1:], 20, attention_mask=mask[:, 1:]), compiled)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek3"])
+def test_compiled_bf16_decode_step_matches_eager_logits(family):
+    """In bf16 the compiled step realises each mat-vec's input (the dense projections and the
+    routed experts'): its logits stay those of the eager bf16 step, for a batch of 3 rows, over
+    6 steps against the cache (the tokens fed are the eager ones)."""
+    from mff.generate import _compiled_step, _eager_step
+
+    model, params = _model(family)
+    params = model.cast(params, torch.bfloat16)
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(3))
+    eager, compiled = _eager_step(model), _compiled_step(model, torch.device("cpu"))
+    with torch.inference_mode():
+        caches = []
+        for _ in range(2):  # one cache for each step function (they write in place)
+            out = model.forward(params, {"input_ids": ids}, model.init_cache(3, 16, dtype=torch.bfloat16))
+            caches.append({k: v for k, v in out.cache.items() if k != "offset"})
+        cache, cache_c = caches
+        tok = out.logits[:, -1].float().argmax(-1)
+        for _ in range(6):
+            want, cache = eager(params, tok, cache)
+            got, cache_c = compiled(params, tok, cache_c)
+            err = (got.float() - want.float()).abs().max().item()
+            assert err <= 0.05 * want.float().abs().max().item(), (err, want.abs().max().item())
+            tok = want.float().argmax(-1)
+
+
 def test_cache_bucket():
     from mff.generate import cache_bucket
 
@@ -324,6 +350,38 @@ def test_threaded_matvec_equals_linear(layout, monkeypatch):
         assert mm.n == 1 and threaded_matvec(x, w) is not None
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_matvec_reads_the_values_of_strided_and_fused_inputs(dtype):
+    """Under torch.compile, mff's ``linear`` for up to 4 rows realises a bf16 input (Inductor's
+    force-stride-order) before its mat-vec. The result must be x's values whatever x is: a norm's
+    output fused into it, a slice with a step, a transpose, an expand, a row at an offset, a
+    split of a fused projection, over widths that Inductor may pad (> 1024, unaligned)."""
+    from mff.nn.layers import linear
+
+    g = torch.Generator().manual_seed(5)
+    D, Fo = 1030, 24
+    w = torch.randn(Fo, D, generator=g).to(dtype)
+    base = torch.randn(4, 3 * D, generator=g).to(dtype)
+    producers = {
+        "rmsnorm": lambda t: t[:, :D] * torch.rsqrt(t[:, :D].float().pow(2).mean(-1, keepdim=True) + 1e-6).to(t.dtype),
+        "silu*up (split of a fused projection)": lambda t: torch.nn.functional.silu(t[:, :D]) * t[:, D:2 * D],
+        "slice with a step": lambda t: t[:, ::3],
+        "transpose": lambda t: t[:, :D * 2].reshape(t.shape[0], D, 2).transpose(1, 2)[:, 1],
+        "expand of one row": lambda t: (t[:1, D:2 * D] * 2).expand(t.shape[0], D),
+        "rows at an offset": lambda t: torch.cat([t, t])[t.shape[0] - 1:2 * t.shape[0] - 1, 2 * D:],
+    }
+    for name, f in producers.items():
+        for B in (1, 2, 3, 4):
+            torch._dynamo.reset()
+            fn = torch.compile(lambda t, w, f=f: linear(f(t), w), dynamic=False)
+            with torch.no_grad():
+                got = fn(base[:B], w)
+                want = f(base[:B]).double() @ w.double().t()
+            err = (got.double() - want).abs().max().item()
+            scale = want.abs().max().item()
+            assert got.shape == (B, Fo) and err <= (2e-2 if dtype == torch.bfloat16 else 1e-4) * scale, (name, B, err, scale)
 
 
 def test_generate_runs_in_inference_mode_and_returns_an_ordinary_tensor():

@@ -31,7 +31,7 @@ from torch import nn
 
 from mff.backend import ops
 from mff.nn import grouped_gemm  # noqa: F401  (registers the mff::grouped_mm custom ops)
-from mff.nn.layers import linear
+from mff.nn.layers import linear, matvec_input
 from mff.nn.lora import slot_name
 from mff.nn.mlp import GatedMLP
 from mff.parallel.ep import all_to_all, exchange_counts, expert_group, plan_receive, plan_send
@@ -353,8 +353,8 @@ class Experts(nn.Module):
             return self._gathered_lora(x_SD, flat, w1, w2, lora_gu, lora_dn, w_NK, x_ND.dtype)
         if torch.compiler.is_compiling():
             # fused by the compiler into one pass over the chosen experts' rows (no gathered copy)
-            g, u = (x_SD[:, None, :] * w1[flat]).sum(-1).chunk(2, dim=-1)  # [S, I] each
-            y = ((F.silu(g) * u)[:, None, :] * w2[flat]).sum(-1)  # [S, D]
+            g, u = (matvec_input(x_SD)[:, None, :] * w1[flat]).sum(-1).chunk(2, dim=-1)  # [S, I] each
+            y = (matvec_input(F.silu(g) * u)[:, None, :] * w2[flat]).sum(-1)  # [S, D]
         elif x_SD.device.type == "cpu" and not torch.is_grad_enabled():
             # decoding eagerly on a CPU: one mat-vec per slot on its expert's weights in place; the
             # indexing below would copy the chosen experts' weights first (a host sync here costs
