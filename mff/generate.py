@@ -368,16 +368,24 @@ def _compiled_step(model: Model, device: torch.device):
     """One decode step (forward of one token per row against the cache) as a compiled graph,
     cached per model object and device type.
 
-    On a CPU the graph gets Inductor's C++ wrapper (``cpp_wrapper``): the code that calls the
-    step's kernels is compiled instead of run as Python, which removes the interpreter's cost
-    per kernel call (in-process A/B on 2 cores, 2026-12-07: step time -6% / -3% in fp32 / bf16 on
-    deepseek3_bench, +1% / -2.5% on qwen3_bench, within the noise there; the first compile of
-    deepseek3_bench about 4 s longer (32.5 against 28.5 s); the same tokens).
-    Other devices keep the default Python wrapper (their wrappers are unmeasured here)."""
+    Two Inductor options cut the host time around the step's kernels (in-process A/B on 2
+    cores, 2026-12-07, the same tokens):
+
+    - ``cpp_wrapper=True`` on a CPU: the code that calls the kernels is compiled instead of run
+      as Python: step time -6% / -3% (fp32 / bf16) on deepseek3_bench, +1% / -2.5% on
+      qwen3_bench (within the noise); the first compile of deepseek3_bench ~4 s longer (32.5
+      against 28.5 s). Other devices keep the Python wrapper (unmeasured here).
+    - ``size_asserts=False``, all devices: the wrapper does not re-check the size and stride of
+      each of the step's inputs (every param and cache tensor, 111 on deepseek3_bench) on every
+      call; Dynamo's guards check the same on the first two calls, after which :func:`generate`
+      skips them for a loop whose inputs keep their shapes by construction. On top of the C++
+      wrapper: step time -8% / -6% (fp32 / bf16) on both configs, single run pairs ranging from
+      -25% to +20% on this noisy machine (a trivial step with the same 111 inputs: 117 -> 74 us
+      a call)."""
     key = (id(model), device.type)
     if key not in _COMPILED:
         _COMPILED.clear()  # one model at a time: drop graphs of models that may be gone
-        options = {"cpp_wrapper": True} if device.type == "cpu" else None
+        options = {"size_asserts": False, **({"cpp_wrapper": True} if device.type == "cpu" else {})}
         _COMPILED[key] = torch.compile(_eager_step(model), dynamic=False, options=options)
     return _COMPILED[key]
 
