@@ -192,6 +192,7 @@ def generate(
         out_ids = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=device)
         step_fn = _compiled_step(model, device) if compile else _bound_step(forward)
+        skip_guards = compile
         step_times: list[float] = []
         cache = {k: v for k, v in cache.items() if k != "offset"}  # capacity was checked above
         for step in range(max_new_tokens):
@@ -216,10 +217,8 @@ def generate(
             if seen is not None:
                 seen = mark_seen(seen, nxt.clamp(0, V - 1))
             t0 = _clock(device) if timings is not None else 0.0
-            if compile and step >= 2:
-                # compiled, and its guards passed twice: skip re-checking them for this call only
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    logits, cache = step_fn(params, nxt, cache)
+            if skip_guards and step >= 2:
+                logits, cache, skip_guards = _step_skipping_guards(step_fn, params, nxt, cache)
             else:
                 logits, cache = step_fn(params, nxt, cache)
             if timings is not None:
@@ -227,6 +226,25 @@ def generate(
         if timings is not None:
             timings.update(_summary(step_times))
         return torch.cat(out_ids, dim=1)
+
+
+def _step_skipping_guards(step_fn: Callable, params, nxt: torch.Tensor, cache) -> tuple[torch.Tensor, Any, bool]:
+    """One compiled step with Dynamo's guards skipped (the loop's inputs keep their shapes, and
+    the guards passed on the first two steps). Where no compiled graph serves the call without
+    them (Dynamo's ``recompile_limit`` reached by earlier batch sizes, dtypes, buckets or models
+    in this process, so that the first steps ran uncompiled; or an input a callback changed),
+    Dynamo refuses the unsafe call before running anything: the step then runs again with its
+    guards, which recompile or fall back to eager, and the returned flag (False) keeps them on
+    for the rest of the loop. Returns (logits, cache, whether to keep skipping)."""
+    try:
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            logits, cache = step_fn(params, nxt, cache)
+        return logits, cache, True
+    except RuntimeError as e:
+        if "skip_guard_eval_unsafe" not in str(e):
+            raise
+    logits, cache = step_fn(params, nxt, cache)
+    return logits, cache, False
 
 
 def _clock(device: torch.device) -> float:

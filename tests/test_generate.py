@@ -205,6 +205,28 @@ def test_compiled_bf16_decode_step_matches_eager_logits(family):
             tok = want.float().argmax(-1)
 
 
+def test_compiled_generate_past_the_recompile_limit_gives_the_eager_tokens():
+    """Once Dynamo's recompile limit is reached (here 1 graph: a second batch size), the compiled
+    loop's unguarded steps are refused by Dynamo; generate then runs them with their guards
+    (uncompiled) instead of raising. Also when a callback swaps a param for another layout."""
+    model, params = _model("qwen3")
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(4))
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for B in (1, 2):
+            want = generate(model, params, ids[:B], 6)
+            assert torch.equal(generate(model, params, ids[:B], 6, compile=True), want)
+    torch._dynamo.reset()
+    key = "model.layers.0.mlp.down_proj.weight"
+    swapped = dict(params)
+
+    def swap(tok):
+        swapped[key] = params[key].t().contiguous().t()  # same values, column-major
+
+    want = generate(model, params, ids, 6)
+    assert torch.equal(generate(model, swapped, ids, 6, compile=True, on_token=swap), want)
+
+
 def test_cache_bucket():
     from mff.generate import cache_bucket
 

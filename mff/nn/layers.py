@@ -62,15 +62,18 @@ def matvec_input(x: torch.Tensor) -> torch.Tensor:
     """The input of a compiled mat-vec written as a broadcast multiply and a sum (``(x[..., None, :]
     * W).sum(-1)``), realised: under ``torch.compile`` without grad, a bf16 / fp16 ``x`` [..., D]
     goes through Inductor's ``prims.inductor_force_stride_order`` with row-major strides, which
-    makes it a buffer with x's values (a copy only where x is not one already). Otherwise Inductor
+    makes x a buffer that holds its values (an unrealised producer is written out once; a view
+    of a buffer in row-major order, such as a column slice, is read in place; other views are
+    copied). Otherwise Inductor
     inlines x's producer (an RMSNorm, SiLU * up) into the loop of each output row and recomputes
     it, dtype converts included, once per output: in bf16 that makes the mat-vec compute-bound.
     Used by :func:`linear` and the routed experts' decode path (:mod:`mff.nn.moe`). In-process
     A/B on 2 cores (2026-12-07, together with the C++ wrapper of :mod:`mff.generate`'s compiled
     step): compiled bf16 decode step -14% on qwen3_bench and -18% on deepseek3_bench, the same
     tokens. Returns ``x`` itself outside a trace, with grad, and in fp32 (whose producer has no
-    converts and measured the same either way). Same shape and dtype as ``x``; any shape and
-    strides (a view is copied, never reinterpreted).
+    converts and measured the same either way). Same shape, dtype and values as ``x``, for any
+    strides; it may alias ``x`` (Inductor) or be a copy (the ``eager`` / ``aot_eager`` backends),
+    so it is meant to be consumed at once, as :func:`linear` does, not written to.
     """
     if torch.compiler.is_compiling() and not torch.is_grad_enabled() and x.dtype in (torch.bfloat16, torch.float16):
         return torch.ops.prims.inductor_force_stride_order(x, make_contiguous_strides_for(x.shape))
