@@ -64,9 +64,9 @@ def matvec_input(x: torch.Tensor) -> torch.Tensor:
     goes through Inductor's ``prims.inductor_force_stride_order`` with row-major strides, which
     makes x a buffer that holds its values (an unrealised producer is written out once; a view
     of a buffer in row-major order, such as a column slice, is read in place; other views are
-    copied). Otherwise Inductor
-    inlines x's producer (an RMSNorm, SiLU * up) into the loop of each output row and recomputes
-    it, dtype converts included, once per output: in bf16 that makes the mat-vec compute-bound.
+    copied). Otherwise Inductor inlines x's producer (an RMSNorm, SiLU * up) into the loop of
+    each output row and recomputes it, dtype converts included, once per output: in bf16 that
+    makes the mat-vec compute-bound.
     Used by :func:`linear` and the routed experts' decode path (:mod:`mff.nn.moe`). In-process
     A/B on 2 cores (2026-12-07, together with the C++ wrapper of :mod:`mff.generate`'s compiled
     step): compiled bf16 decode step -14% on qwen3_bench and -18% on deepseek3_bench, the same
