@@ -47,7 +47,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Sum of token cross entropies of ``h W^T``, chunk by chunk over the rows, with the
     gradients computed in the same pass (so the backward holds no logits): the fused
     linear-cross-entropy of Liger-Kernel / Apple's "Cut Your Losses" (arXiv 2411.09009), written
-    here with plain matmuls.
+    here with plain matmuls. Every chunk works in the same preallocated buffers (``out=``
+    matmuls and in-place softmax passes), with the numerics of ``torch.logsumexp`` and of
+    ``exp(logits - lse)`` for the softmax.
 
     With a process ``group``, ``w_VD`` holds vocabulary rows ``[start, start + V_local)`` of a
     vocabulary split over the group's ranks (Megatron-LM's ``vocab_parallel_cross_entropy``):
@@ -58,27 +60,46 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_ND, w_VD, labels_N, chunk_rows: int, need_grad: bool, start: int, group):
-        N = h_ND.shape[0]
+        N, V = h_ND.shape[0], w_VD.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
-        grad_h = torch.empty_like(h_ND) if need_grad else None
+        grad_h = h_ND.new_empty(h_ND.shape) if need_grad else None  # row-major: each chunk's rows are one block
         grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_grad else None
         ranks = dist.get_world_size(group) if group is not None else 1
+        # One set of chunk buffers for the whole call, reused by every chunk: a fresh [n, V]
+        # tensor for each op (what torch.logsumexp and out-of-place ops allocate) costs page
+        # faults on every chunk on a CPU once the allocator returns such blocks to the OS.
+        rows = min(chunk_rows, N)
+        low = h_ND.dtype != torch.float32
+        logits_buf = h_ND.new_empty((rows, V), dtype=torch.float32)
+        shifted_buf = torch.empty_like(logits_buf)  # exp(logits - max), for the log-sum-exp
+        low_buf = h_ND.new_empty((rows, V)) if low else None  # the logits / their gradient in the compute dtype
+        part_w = w_VD.new_empty(w_VD.shape, dtype=h_ND.dtype) if need_grad and low else None
+        part_w32 = torch.empty_like(grad_w) if need_grad and low else None
         for begin in range(0, N, chunk_rows):
             h = h_ND[begin:begin + chunk_rows]
             y = labels_N[begin:begin + chunk_rows]
-            logits = h @ w_VD.t()  # [n, V_local]: the only logits alive at a time
-            if logits.dtype != torch.float32:
-                logits = logits.float()
+            n = h.shape[0]
+            logits = logits_buf[:n]  # [n, V_local]: the only logits alive at a time
+            if low:
+                torch.mm(h, w_VD.t(), out=low_buf[:n])
+                logits.copy_(low_buf[:n])
+            else:
+                torch.mm(h, w_VD.t(), out=logits)
             keep = y != IGNORE_INDEX
             if group is None:
                 mine = keep
                 safe = torch.where(keep, y, 0)
             else:
                 local = y - start
-                mine = keep & (local >= 0) & (local < w_VD.shape[0])
+                mine = keep & (local >= 0) & (local < V)
                 safe = torch.where(mine, local, 0)
-            lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
+            # log-sum-exp as torch.logsumexp computes it (max, exp of the shifted logits, sum,
+            # log; an infinite max is not subtracted), into the reused buffer
+            top = logits.amax(dim=-1)
+            top = top.masked_fill(top.abs() == float("inf"), 0.0)
+            shifted = torch.sub(logits, top[:, None], out=shifted_buf[:n]).exp_()
+            lse = shifted.sum(dim=-1).log_().add_(top)
             if group is not None:
                 stats = torch.stack((lse, picked * mine))  # [2, n]
                 parts = [torch.empty_like(stats) for _ in range(ranks)]
@@ -88,15 +109,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += ((lse - picked) * keep).sum()
             if need_grad:
                 # d/dlogits of sum CE = softmax - onehot(label), zero for ignored rows
-                g = torch.exp(logits.sub_(lse[:, None]))
-                g[torch.arange(g.shape[0], device=g.device), safe] -= mine.to(g.dtype)
+                g = logits.sub_(lse[:, None]).exp_()
+                g[torch.arange(n, device=g.device), safe] -= mine.to(g.dtype)
                 g.mul_(keep[:, None])
-                g = g.to(h.dtype)
-                grad_h[begin:begin + chunk_rows] = g @ w_VD
-                if h.dtype == torch.float32:
+                if low:
+                    g = low_buf[:n].copy_(g)
+                torch.mm(g, w_VD, out=grad_h[begin:begin + n])
+                if not low:
                     grad_w.addmm_(g.t(), h)
                 else:  # the product in the compute dtype (no fp32 copies of g and h), summed in fp32
-                    grad_w += g.t() @ h
+                    torch.mm(g.t(), h, out=part_w)
+                    grad_w.add_(part_w32.copy_(part_w))
         if need_grad:
             ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype))
         return total
