@@ -23,7 +23,7 @@ the forward, while the recomputation runs later, inside the backward. Outputs th
 statistics (MoE expert loads) are produced by the forward only; the recomputation's copies are
 discarded, so loads are counted once.
 
-Mixed precision casts at use (:func:`cast_params_at_use`, what ``bf16-mixed`` training runs
+Mixed precision casts at use (:func:`mff.nn.cast.cast_params_at_use`, what ``bf16-mixed`` training runs
 under): each block's float params are cast to the compute dtype when the block runs, not all at
 once before the forward. Under activation checkpointing the cast is inside the checkpointed
 region, so a block's bf16 weights are dropped after its forward like its other activations and
@@ -34,10 +34,7 @@ frees them once that backward has run.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +43,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from mff.nn import grouped_gemm  # noqa: F401  (registers torch.ops.mff.grouped_mm before _SAVE_OPS names it)
+from mff.nn.cast import active_cast, cast_params_at_use
 
 __all__ = ["AC_MODES", "BlockExecution", "cast_params_at_use", "run_block"]
 
@@ -112,26 +110,6 @@ def _compiled(block: nn.Module, selective: bool):
     return cache[selective]
 
 
-# (compute dtype, ids of the param tensors that keep their dtype) while cast_params_at_use is active
-_CAST_AT_USE: contextvars.ContextVar[tuple[torch.dtype, frozenset[int]] | None] = contextvars.ContextVar("mff_cast_at_use", default=None)
-
-
-@contextlib.contextmanager
-def cast_params_at_use(dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> Iterator[None]:
-    """While active, :func:`run_block` runs each block with its float params cast to ``dtype``
-    (a differentiable ``.to``: the gradients reach the original params in their own dtype),
-    except the tensors whose ``id`` is in ``keep`` (params a family keeps in fp32, e.g. the
-    router). The cast of a checkpointed block is redone in its backward, so it need not be
-    active then. Raises TypeError for a ``dtype`` that is not a floating torch dtype."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"cast_params_at_use: dtype {dtype!r}; expected a floating torch.dtype")
-    token = _CAST_AT_USE.set((dtype, frozenset(keep)))
-    try:
-        yield
-    finally:
-        _CAST_AT_USE.reset(token)
-
-
 def _call_with(block: nn.Module, target, names: list[str], cast: tuple[torch.dtype, frozenset[str]] | None, *flat):
     """``target(*flat[n:])`` with the block's params ``names`` set to ``flat[:n]``, the names in
     ``cast[1]`` cast to ``cast[0]`` first."""
@@ -155,13 +133,6 @@ def _cast_plan(named: list[tuple[str, torch.Tensor]], active: tuple[torch.dtype,
     return (dtype, which) if which else None
 
 
-def _active_cast() -> tuple[torch.dtype, frozenset[int]] | None:
-    """The cast_params_at_use state. Under a dynamo trace (the compiled decode step traces the
-    whole model) it reads as inactive: ``ContextVar.get`` is a graph break, and no compiled
-    whole-model graph trains (training compiles each block separately, called from eager code)."""
-    return None if torch.compiler.is_compiling() else _CAST_AT_USE.get()
-
-
 def run_block(block: nn.Module, execution: BlockExecution | None, *args):
     """``block(*args)`` as ``execution`` says (None: eagerly, no checkpointing), its params cast
     at use while :func:`cast_params_at_use` is active.
@@ -175,7 +146,7 @@ def run_block(block: nn.Module, execution: BlockExecution | None, *args):
             over ``ep`` (the all-to-all dispatch is a graph break, across which torch 2.13 cannot
             recompute selectively).
     """
-    active = _active_cast()
+    active = active_cast()
     ac = execution.ac if execution is not None and torch.is_grad_enabled() else "none"
     compiled = execution is not None and execution.compile
     if active is None and ac == "none":

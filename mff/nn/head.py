@@ -52,11 +52,13 @@ def head_weight(w_VD: torch.Tensor) -> HeadWeight:
 
 
 def head_logits(h: torch.Tensor, head: HeadWeight) -> torch.Tensor:
-    """Logits [..., V] of ``h`` [..., D] in ``h``'s dtype; under tp each rank's [..., Vl] are
-    all-gathered into the full vocabulary (for evaluation and generation)."""
+    """Logits [..., V] of ``h`` [..., D] in ``h``'s dtype (a weight of another dtype, the fp32
+    head under ``bf16-mixed``, is cast to it); under tp each rank's [..., Vl] are all-gathered
+    into the full vocabulary (for evaluation and generation)."""
+    w = head.weight if head.weight.dtype == h.dtype else head.weight.to(h.dtype)
     if head.group is None:
-        return linear(h, head.weight)
-    local = linear(copy_to_tp(h, head.group), head.weight)
+        return linear(h, w)
+    local = linear(copy_to_tp(h, head.group), w)
     return gather_from_tp(local, head.group, head.vocab_size)
 
 

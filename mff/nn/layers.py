@@ -20,6 +20,7 @@ from torch import nn
 from torch._prims_common import make_contiguous_strides_for
 
 from mff.backend import ops
+from mff.nn.cast import active_cast
 from mff.nn.lora import add_low_rank, lora_input, slot_name
 from mff.parallel.gather import gather
 from mff.parallel.tp import TP_AXIS, chunk_range, copy_to_tp, reduce_from_tp, tp_shard
@@ -207,7 +208,10 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding lookup; ``weight`` [V, D]. ``ids`` int64 [B, T] -> [B, T, D].
+    """Token embedding lookup; ``weight`` [V, D]. ``ids`` int64 [B, T] -> [B, T, D], in the
+    weight's dtype, or in the compute dtype while :func:`mff.nn.cast.cast_params_at_use` is
+    active (the looked-up rows are cast, not the table: ``bf16-mixed`` training passes the fp32
+    table when gathering it moves no data, :func:`mff.train.precision.forward_params`).
 
     Vocab-parallel when the rows are split over ``tp`` (Megatron's ``VocabParallelEmbedding``):
     each rank looks up the ids in its row range (:func:`mff.parallel.tp.chunk_range`), writes
@@ -219,15 +223,18 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
 
     def forward(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        cast = active_cast()
+        dtype = cast[0] if cast is not None and self.weight.is_floating_point() and id(self.weight) not in cast[1] else None
         split = tp_shard(self.weight)
         if split is None or split.dim != 0:
-            return F.embedding(ids_BT, gather(self.weight))
+            h = F.embedding(ids_BT, gather(self.weight))
+            return h if dtype is None else h.to(dtype)
         w = gather(self.weight, keep=(TP_AXIS,))
         start, stop = chunk_range(self.weight.shape[0], split.rank, split.size)
         mine = (ids_BT >= start) & (ids_BT < stop)
         local = torch.where(mine, ids_BT - start, 0)
         h = F.embedding(local, w) * mine.unsqueeze(-1).to(w.dtype)
-        return reduce_from_tp(h, split.group)
+        return reduce_from_tp(h if dtype is None else h.to(dtype), split.group)
 
 
 class RMSNorm(nn.Module):

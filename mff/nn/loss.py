@@ -61,6 +61,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, w_VD, labels_N, chunk_rows: int, need_grad: bool, start: int, group):
         N, V = h_ND.shape[0], w_VD.shape[0]
+        w_dtype = w_VD.dtype
+        if w_VD.dtype != h_ND.dtype:  # the products run in h's dtype; the gradient comes back in the weight's
+            w_VD = w_VD.to(h_ND.dtype)
         total = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         grad_h = h_ND.new_empty(h_ND.shape) if need_grad else None  # row-major: each chunk's rows are one block
         grad_w = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_grad else None
@@ -121,7 +124,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.mm(g.t(), h, out=part_w)
                     grad_w.add_(part_w32.copy_(part_w))
         if need_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(w_VD.dtype))
+            ctx.save_for_backward(grad_h, grad_w.to(w_dtype))
         return total
 
     @staticmethod
@@ -154,8 +157,11 @@ def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels
     that is 4 N V bytes: 4 GiB for 8192 tokens of a 129k vocabulary). FLOPs are those of the
     unchunked head and loss.
 
-    Shapes: ``h_ND`` [N, D] and ``weight_VD`` [V, D] in one float dtype; ``labels_N`` int64 [N]
-    (-100 = ignored). Returns a 0-d fp32 tensor; all labels ignored gives 0 (never NaN).
+    Shapes: ``h_ND`` [N, D] and ``weight_VD`` [V, D], float; ``labels_N`` int64 [N] (-100 =
+    ignored). The products run in ``h_ND``'s dtype (the compute dtype): a weight of another
+    dtype (the fp32 head under ``bf16-mixed``) is cast inside, and its gradient, summed over the
+    chunks in fp32, comes back in the weight's own dtype with no second rounding. Returns a 0-d
+    fp32 tensor; all labels ignored gives 0 (never NaN).
 
     Raises:
         IndexError: a label outside [0, V) that is not ``IGNORE_INDEX``.
@@ -165,8 +171,6 @@ def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels
     _check_head_inputs("linear_cross_entropy_sum", h_ND, weight_VD, labels_N, chunk_rows, V)
     need_grad = torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad)
     rows = chunk_rows or default_chunk_rows(V)
-    if weight_VD.dtype != h_ND.dtype:
-        weight_VD = weight_VD.to(h_ND.dtype)
     return _LinearCrossEntropy.apply(h_ND, weight_VD, labels_N, rows, need_grad, 0, None)
 
 
@@ -201,6 +205,4 @@ def vocab_parallel_linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch
     ranks = dist.get_world_size(group)
     need_grad = torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad)
     rows = chunk_rows or default_chunk_rows(-(-vocab_size // ranks))
-    if weight_VD.dtype != h_ND.dtype:
-        weight_VD = weight_VD.to(h_ND.dtype)
     return _LinearCrossEntropy.apply(copy_to_tp(h_ND, group), weight_VD, labels_N, rows, need_grad, vocab_start, group)

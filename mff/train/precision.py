@@ -8,12 +8,16 @@
 - ``bf16``: params stored in bf16, optimizer state in fp32 (each update is computed in fp32
   and rounded into the bf16 param once).
 
-``bf16-mixed`` training casts at use (:func:`forward_params`): the params outside the decoder
-blocks (embedding, final norm, head, MTP's own projections) are cast once before the forward,
-each block's own params when the block runs (:func:`mff.nn.blocks.cast_params_at_use`), so
-under activation checkpointing a block's bf16 weights live only during its forward and its
-backward, and the fp32 masters are the only full-size copy of the weights besides the
-optimizer state.
+``bf16-mixed`` training casts at use (:func:`forward_params`): each block's own params when
+the block runs (:func:`mff.nn.cast.cast_params_at_use`), so under activation checkpointing a
+block's bf16 weights live only during its forward and its backward, and the fp32 masters are
+the only full-size copy of the weights besides the optimizer state. The embedding table and the
+output head stay fp32 where gathering them moves no data (a plain tensor, or a DTensor split
+over no mesh axis of size > 1): the embedding casts the rows it looks up and the loss casts the
+head inside its chunked kernel, so their gradients are summed in fp32 and no bf16 copy of
+either [V, D] matrix is made twice a step; sharded (FSDP, tp), they are cast before the
+forward like the other params outside the blocks (final norm, MTP's own projections), so the
+gathers move bf16.
 
 In every mode the params a family keeps in fp32 (router weight, expert correction bias) stay
 fp32, and the numerically sensitive parts compute in fp32 whatever the input dtype: RMSNorm
@@ -28,12 +32,25 @@ import contextlib
 from collections.abc import Iterator, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from mff.nn.blocks import cast_params_at_use
+from mff.nn.cast import cast_params_at_use
 
-__all__ = ["PRECISIONS", "param_dtype", "compute_dtype", "compute_params", "forward_params"]
+__all__ = ["CAST_BY_USER", "PRECISIONS", "param_dtype", "compute_dtype", "compute_params", "forward_params"]
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+
+# params outside the blocks whose users cast what they read under cast_params_at_use (the
+# embedding lookup, :class:`mff.nn.layers.Embedding`; the head's loss and logits, mff.nn.loss /
+# mff.nn.head), so forward_params may leave them fp32
+CAST_BY_USER = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
+
+
+def _unsharded(v: torch.Tensor) -> bool:
+    """A plain tensor, or a DTensor split over no mesh axis of size > 1 (gathering it moves no data)."""
+    if not isinstance(v, DTensor):
+        return True
+    return all(p.is_replicate() or v.device_mesh.size(i) == 1 for i, p in enumerate(v.placements))
 
 
 def _check(precision: str) -> None:
@@ -73,15 +90,17 @@ def forward_params(model, params: Mapping[str, torch.Tensor], precision: str) ->
     that for ``bf16-mixed`` the params of the main decoder layers (``model.is_block_param``) stay
     fp32 in the yielded dict and are cast block by block when each block runs (the cast is part of
     the autograd graph, so the gradients arrive in fp32; a checkpointed block casts again in its
-    backward, after the context has closed). The same numerics as :func:`compute_params`. Raises
-    ValueError for an unknown precision."""
+    backward, after the context has closed), and so do the embedding table and the output head
+    when they are not sharded (:data:`CAST_BY_USER`: cast by the lookup and by the loss). The
+    forward computes the same values as with :func:`compute_params`; the embedding and head
+    gradients are summed in fp32 instead of bf16. Raises ValueError for an unknown precision."""
     _check(precision)
     if precision != "bf16-mixed":
         yield dict(params)
         return
     keep = frozenset(id(v) for k, v in params.items() if model.is_fp32(k))
     out = {k: v.to(torch.bfloat16) if (v.is_floating_point() and v.dtype != torch.bfloat16 and id(v) not in keep
-                                        and not model.is_block_param(k)) else v
+                                        and not model.is_block_param(k) and not (k in CAST_BY_USER and _unsharded(v))) else v
            for k, v in params.items()}
     with cast_params_at_use(torch.bfloat16, keep):
         yield out
