@@ -3,7 +3,8 @@
     python bench/train_step.py [--threads 2 --batch 4 --seq 512 --steps 5 --warmup 2
                                 --configs qwen3_bench deepseek3_bench --rows hf-fp32 mff-fp32 ...]
 
-Quick smoke run: ``python bench/train_step.py --seq 64 --steps 1 --warmup 1``.
+Quick smoke run (a few minutes: 16 processes, the compiled rows compile):
+``python bench/train_step.py --seq 64 --steps 1 --warmup 1 --threads 1``.
 
 For each benchmark config (``bench/configs.py``: qwen3_bench, deepseek3_bench) one full
 training step (forward, backward, grad clipping to norm 1.0, AdamW update: lr 3e-4, betas

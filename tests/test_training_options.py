@@ -287,6 +287,30 @@ def test_chunked_linear_cross_entropy_matches_unchunked(dtype):
         linear_cross_entropy_sum(h, w, y, chunk_rows=0)
 
 
+def test_fused_cross_entropy_with_an_fp32_head_and_bf16_rows_gives_fp32_head_grads():
+    """bf16-mixed's head: the loss casts the fp32 weight inside and sums its gradient in fp32,
+    over vocabulary blocks of about 2^22 elements (2048 rows of width 2048: two blocks here,
+    the second one partial), against a float64 reference on the same bf16 values; the bf16
+    gradient of the rows carries the loss's scale without rounding it to bf16 first."""
+    g = torch.Generator().manual_seed(0)
+    V, D = 3000, 2048
+    h = torch.randn(13, D, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, D, generator=g) * 0.02).requires_grad_()
+    y = torch.randint(0, V, (13,), generator=g)
+    y[[2, 7]] = -100
+    y[0], y[1] = V - 1, 2048  # targets in the second block
+    out = linear_cross_entropy_sum(h, w, y, chunk_rows=5)
+    gh, gw = torch.autograd.grad(out / 3, (h, w))  # 1/3: a scale bf16 cannot hold
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    ref = F.cross_entropy(h.double() @ w.bfloat16().double().t(), y, ignore_index=-100, reduction="sum")
+    rh, rw = torch.autograd.grad(ref / 3, (h, w))
+    assert float(out) == pytest.approx(float(ref), rel=1e-4)
+    torch.testing.assert_close(gw.double(), rw.double(), atol=1e-3 * float(rw.abs().max()), rtol=2e-2)
+    torch.testing.assert_close(gh.double(), rh.double(), atol=1e-2 * float(rh.abs().max()), rtol=2e-2)
+    # the scale is applied in fp32 and rounded once: no uniform bias (bf16(1/3) * 3 = 1.002)
+    assert float(gh.double().norm() / rh.double().norm()) == pytest.approx(1.0, abs=5e-4)
+
+
 def test_loss_without_logits_equals_loss_with_logits():
     model = _small("deepseek3")
     params = model.init(0)

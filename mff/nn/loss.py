@@ -76,8 +76,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         logits_buf = h_ND.new_empty((rows, V), dtype=torch.float32)
         shifted_buf = torch.empty_like(logits_buf)  # exp(logits - max), for the log-sum-exp
         low_buf = h_ND.new_empty((rows, V)) if low else None  # the logits / their gradient in the compute dtype
-        part_w = w_VD.new_empty(w_VD.shape, dtype=h_ND.dtype) if need_grad and low else None
-        part_w32 = torch.empty_like(grad_w) if need_grad and low else None
+        # in the compute dtype the weight gradient's products are summed into the fp32 grad_w
+        # through a block of about 2^22 elements, vocabulary rows at a time, so no second
+        # [V, D] tensor exists besides grad_w
+        block = max(1, min(V, (1 << 22) // max(1, w_VD.shape[1])))
+        part_w = w_VD.new_empty((block, w_VD.shape[1]), dtype=h_ND.dtype) if need_grad and low else None
+        part_w32 = torch.empty(part_w.shape, dtype=torch.float32, device=w_VD.device) if need_grad and low else None
         for begin in range(0, N, chunk_rows):
             h = h_ND[begin:begin + chunk_rows]
             y = labels_N[begin:begin + chunk_rows]
@@ -120,9 +124,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(g, w_VD, out=grad_h[begin:begin + n])
                 if not low:
                     grad_w.addmm_(g.t(), h)
-                else:  # the product in the compute dtype (no fp32 copies of g and h), summed in fp32
-                    torch.mm(g.t(), h, out=part_w)
-                    grad_w.add_(part_w32.copy_(part_w))
+                else:  # the products in the compute dtype (no fp32 copies of g and h), summed in fp32
+                    for v0 in range(0, V, block):
+                        m = min(block, V - v0)
+                        torch.mm(g[:, v0:v0 + m].t(), h, out=part_w[:m])
+                        grad_w[v0:v0 + m].add_(part_w32[:m].copy_(part_w[:m]))
         if need_grad:
             ctx.save_for_backward(grad_h, grad_w.to(w_dtype))
         return total
@@ -130,7 +136,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None, None
+        # the scale stays fp32 (a bf16 tensor times a 0-d fp32 one is exact, then rounded once):
+        # rounded to bf16 first, a 1/tokens scale would bias every gradient behind the head
+        return grad_h * grad_out, grad_w * grad_out, None, None, None, None, None
 
 
 def _check_head_inputs(where: str, h_ND, weight_VD, labels_N, chunk_rows, vocab_size: int) -> None:
@@ -154,10 +162,12 @@ def linear_cross_entropy_sum(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels
     :func:`default_chunk_rows`); each chunk's logits are made in the compute dtype, turned to
     fp32 for the log-softmax, and, when a gradient is needed, turned into the chunk's gradients
     at once, so peak memory holds one chunk's logits instead of the whole batch's (in fp32
-    that is 4 N V bytes: 4 GiB for 8192 tokens of a 129k vocabulary). FLOPs are those of the
-    unchunked head and loss.
+    that is 4 N V bytes: 4 GiB for 8192 tokens of a 129k vocabulary). What the call holds
+    besides: the gradients (``h``'s, and the weight's summed in fp32, 4 V D bytes, until the
+    backward), a cast of the weight to the compute dtype when it has another dtype, and chunk
+    buffers of about 2^22 elements. FLOPs are those of the unchunked head and loss.
 
-    Shapes: ``h_ND`` [N, D] and ``weight_VD`` [V, D], float; ``labels_N`` int64 [N] (-100 =
+    Shapes: ``h_ND`` [N, D] and ``weight_VD`` [V, D], float; ``labels_N`` int64 or int32 [N] (-100 =
     ignored). The products run in ``h_ND``'s dtype (the compute dtype): a weight of another
     dtype (the fp32 head under ``bf16-mixed``) is cast inside, and its gradient, summed over the
     chunks in fp32, comes back in the weight's own dtype with no second rounding. Returns a 0-d

@@ -14,10 +14,11 @@ block's bf16 weights live only during its forward and its backward, and the fp32
 the only full-size copy of the weights besides the optimizer state. The embedding table and the
 output head stay fp32 where gathering them moves no data (a plain tensor, or a DTensor split
 over no mesh axis of size > 1): the embedding casts the rows it looks up and the loss casts the
-head inside its chunked kernel, so their gradients are summed in fp32 and no bf16 copy of
-either [V, D] matrix is made twice a step; sharded (FSDP, tp), they are cast before the
-forward like the other params outside the blocks (final norm, MTP's own projections), so the
-gathers move bf16.
+head inside its chunked kernel (a bf16 copy that lives only for the loss's call), so their
+gradients are summed in fp32, no bf16 copy of either [V, D] matrix is held from the forward
+to the backward, and no bf16 gradient of either is cast back to fp32; sharded (FSDP, tp),
+they are cast before the forward like the other params outside the blocks (final norm, MTP's
+own projections), so the gathers move bf16.
 
 In every mode the params a family keeps in fp32 (router weight, expert correction bias) stay
 fp32, and the numerically sensitive parts compute in fp32 whatever the input dtype: RMSNorm
@@ -40,9 +41,9 @@ __all__ = ["CAST_BY_USER", "PRECISIONS", "param_dtype", "compute_dtype", "comput
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 
-# params outside the blocks whose users cast what they read under cast_params_at_use (the
-# embedding lookup, :class:`mff.nn.layers.Embedding`; the head's loss and logits, mff.nn.loss /
-# mff.nn.head), so forward_params may leave them fp32
+# params outside the blocks whose users cast what they read, so forward_params may leave them
+# fp32: the embedding lookup (:class:`mff.nn.layers.Embedding`, to the cast_params_at_use dtype)
+# and the head's loss and logits (mff.nn.loss, mff.nn.head: to the dtype of the hidden states)
 CAST_BY_USER = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 
 
