@@ -58,6 +58,28 @@ def test_grouped_mm_fused_equals_loop(counts):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("impl", ["loop", "fused"])
+def test_grouped_mm_of_transposed_expert_params_gives_grads_in_the_params_layout(impl):
+    """The experts pass ``w.transpose(1, 2)`` of their contiguous ``[E, out, in]`` params; the
+    param's gradient must come out contiguous like the param (a transposed one sends the whole
+    AdamW group off the fused kernel) and equal the per-expert ``x_e^T g_e``."""
+    if impl == "fused" and not backend._grouped_mm_runs("cpu"):
+        pytest.skip("torch._grouped_mm does not run on this torch/CPU")
+    mm = backend.grouped_mm_loop if impl == "loop" else backend.grouped_mm_fused
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 2]
+    x = torch.randn(10, 8, generator=g, requires_grad=True)
+    w_EFD = torch.randn(4, 12, 8, generator=g, requires_grad=True)  # [E, out, in]
+    up = torch.randn(10, 12, generator=g)
+    gx, gw = torch.autograd.grad(mm(x, w_EFD.transpose(1, 2), counts), (x, w_EFD), up)
+    assert gw.stride() == w_EFD.stride()
+    starts = [0, 3, 3, 8, 10]
+    for e in range(4):
+        rows = slice(starts[e], starts[e + 1])
+        torch.testing.assert_close(gw[e], up[rows].t() @ x[rows].detach())
+        torch.testing.assert_close(gx[rows], up[rows] @ w_EFD[e].detach())
+
+
 def test_grouped_mm_fused_takes_the_loop_for_dtypes_the_kernel_rejects():
     g = torch.Generator().manual_seed(0)
     counts = [3, 0, 5]

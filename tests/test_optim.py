@@ -38,10 +38,13 @@ def test_adamw_matches_torch_over_10_steps():
     assert int(state["step"]) == 10
 
 
-def test_adamw_with_non_contiguous_grads_updates_the_right_elements():
+def test_adamw_with_non_contiguous_grads_updates_the_right_elements(monkeypatch):
     """A transposed grad of a contiguous param (what a grouped GEMM's backward can give) must
     update the same elements as its contiguous copy (torch._fused_adamw_ on CPU walks the
-    memory as one flat buffer and would not)."""
+    memory as one flat buffer and would not), and still through the fused kernel (the grad is
+    copied into the param's layout rather than the group taking the foreach path)."""
+    fused, original = [], adamw._fused_group
+    monkeypatch.setattr(adamw, "_fused_group", lambda *a, **k: fused.append(a[4]) or original(*a, **k))
     g = torch.Generator().manual_seed(0)
     init = {"experts.gate_up_proj": torch.randn(2, 6, 4, generator=g), "b.weight": torch.randn(3, 5, generator=g)}
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
@@ -56,6 +59,8 @@ def test_adamw_with_non_contiguous_grads_updates_the_right_elements():
             for _ in range(2):
                 adamw.update(params, gs, state, 1e-2, cfg)
         results.append({k: v.detach() for k, v in params.items()})
+    if hasattr(torch, "_fused_adamw_"):
+        assert sorted(k for keys in fused for k in keys) == sorted(list(init) * 4)  # 2 updates x 2 variants
     for k in init:
         assert not torch.equal(results[1][k], init[k])
         torch.testing.assert_close(results[0][k], results[1][k], atol=0, rtol=0)

@@ -290,8 +290,14 @@ def grouped_mm_loop(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) 
 
     The experts come from one ``unbind``: its backward stacks the E gradients once, where
     indexing ``w_EDF[e]`` per expert would allocate and zero-fill a whole [E, D, F] gradient for
-    each expert (a fixed cost per forward that dominated short micro-batches)."""
-    w_e = w_EDF.unbind(0)
+    each expert (a fixed cost per forward that dominated short micro-batches). When ``w_EDF`` is
+    the transposed view of a contiguous [E, F, D] stack (the experts' ``[E, out, in]`` params),
+    the unbind is of that stack, so the stacked gradient comes out in the param's own layout
+    (a transposed one would keep the fused AdamW kernel from taking it)."""
+    if w_EDF.dim() == 3 and not w_EDF.is_contiguous() and w_EDF.transpose(1, 2).is_contiguous():
+        w_e = [w.t() for w in w_EDF.transpose(1, 2).unbind(0)]
+    else:
+        w_e = w_EDF.unbind(0)
     outs = [x.matmul(w_e[e]) for e, x in enumerate(x_ND.split(counts, dim=0)) if counts[e]]
     if not outs:
         return x_ND.new_zeros(x_ND.shape[0], w_EDF.shape[-1])
