@@ -46,12 +46,14 @@ def test_adamw_with_non_contiguous_grads_updates_the_right_elements(monkeypatch)
     fused, original = [], adamw._fused_group
     monkeypatch.setattr(adamw, "_fused_group", lambda *a, **k: fused.append(a[4]) or original(*a, **k))
     g = torch.Generator().manual_seed(0)
-    init = {"experts.gate_up_proj": torch.randn(2, 6, 4, generator=g), "b.weight": torch.randn(3, 5, generator=g)}
+    init = {"experts.gate_up_proj": torch.randn(2, 6, 4, generator=g), "b.weight": torch.randn(3, 5, generator=g),
+            "experts.down_proj": torch.randn(2, 1, 4, generator=g)}
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
-    grads = {"experts.gate_up_proj": torch.randn(2, 4, 6, generator=g).transpose(1, 2), "b.weight": torch.randn(5, 3, generator=g).t()}
-    assert not any(v.is_contiguous() for v in grads.values())
+    grads = {"experts.gate_up_proj": torch.randn(2, 4, 6, generator=g).transpose(1, 2), "b.weight": torch.randn(5, 3, generator=g).t(),
+             "experts.down_proj": torch.randn(2, 4, 1, generator=g).transpose(1, 2)}  # "contiguous", with other strides
+    assert all(v.stride() != init[k].stride() for k, v in grads.items()) and grads["experts.down_proj"].is_contiguous()
     results = []
-    for gs in (grads, {k: v.contiguous() for k, v in grads.items()}):
+    for gs in (grads, {k: v.clone(memory_format=torch.contiguous_format) for k, v in grads.items()}):
         params = {k: v.clone().requires_grad_(True) for k, v in init.items()}
         state = adamw.init(params)
         assert set(state["exp_avg"]) == set(init)

@@ -82,20 +82,19 @@ def _adamw_group(
     for the params it does not orthogonalise."""
     bc1 = 1 - cfg.beta1**t
     bc2_sqrt = (1 - cfg.beta2**t) ** 0.5
-    # a grad laid out unlike its contiguous param (a transposed gradient of a stacked expert
-    # weight, as a grouped GEMM's backward can give) is copied into the param's layout, as
-    # AccumulateGrad does for ``.grad``, so that the group keeps the fused kernel: its foreach path
-    # makes ~8 passes over every param of the group and a full-size temporary (deepseek3_bench,
-    # 82M params, 2 CPU threads: fused 0.04 s, foreach 0.33 s, fused after copying its 63M
-    # transposed expert gradients 0.20 s)
-    grads = {k: grads[k].contiguous() if _local(params[k]).is_contiguous() and not _local(grads[k]).is_contiguous() else grads[k]
-             for k in keys}
     for decay in (True, False):
         group = [k for k in keys if decays(k, params[k], cfg.no_decay) == decay]
         if not group:
             continue
         if _fused_ok(params, grads, exp_avg, exp_avg_sq, group):
-            _fused_group(params, grads, exp_avg, exp_avg_sq, group, t, lr, cfg, decay)
+            # a grad laid out unlike its param (a transposed gradient of a stacked expert weight,
+            # as a grouped GEMM's backward can give) is copied into the param's layout, as
+            # AccumulateGrad does for ``.grad``, so that the group keeps the fused kernel: the
+            # foreach path makes ~8 passes over every param of the group and a full-size temporary
+            # (deepseek3_bench, 82M params, 2 CPU threads: fused 0.04 s, foreach 0.33 s, fused
+            # after copying its 63M transposed expert gradients 0.20 s)
+            laid = {k: _in_layout_of(params[k], grads[k]) for k in group}
+            _fused_group(params, laid, exp_avg, exp_avg_sq, group, t, lr, cfg, decay)
             continue
         # bf16/fp16 params (``--precision bf16``) have fp32 moments: their update is computed on
         # an fp32 copy and rounded into the param once, at the end
@@ -122,9 +121,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _in_layout_of(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``g``, or a copy of it with the strides of ``p`` (local strides for DTensors) when they differ."""
+    if _local(g).stride() == _local(p).stride():
+        return g
+    return torch.empty_like(p, dtype=g.dtype).copy_(g)
+
+
 def _fused_ok(params, grads, exp_avg, exp_avg_sq, keys) -> bool:
     """Whether ``torch._fused_adamw_`` can take the group: it exists, every tensor of a param
-    (param, grad, moments) has one float dtype, and the device is CPU or CUDA."""
+    (param, grad, moments) has one float dtype, the device is CPU or CUDA, and each param is
+    contiguous with its moments in its layout (a grad in another layout is copied into it
+    first, :func:`_in_layout_of`)."""
     if not hasattr(torch, "_fused_adamw_"):
         return False
     for k in keys:
@@ -137,9 +145,9 @@ def _fused_ok(params, grads, exp_avg, exp_avg_sq, keys) -> bool:
             return False
         # the kernel walks every tensor of a param as one flat buffer (seen on torch 2.13 CPU: a
         # transposed grad of a contiguous param was applied to the wrong elements), so all four
-        # must share one layout; a grad with other strides takes the foreach path
+        # must share one layout: the grad is copied into the param's when it differs
         layout = _local(p).stride()
-        if not (_local(p).is_contiguous() and all(_local(t[k]).stride() == layout for t in (grads, exp_avg, exp_avg_sq))):
+        if not (_local(p).is_contiguous() and all(_local(t[k]).stride() == layout for t in (exp_avg, exp_avg_sq))):
             return False
     return True
 
