@@ -37,6 +37,7 @@ __all__ = [
     "launch_world_size",
     "available_memory_gib",
     "check_group_counts",
+    "is_transposed_stack",
     "DEVICES",
     "DeviceUnavailable",
     "DistInfo",
@@ -283,6 +284,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * y.to(x.dtype)
 
 
+def is_transposed_stack(w_EDF: torch.Tensor) -> bool:
+    """Whether ``w_EDF`` ([E, D, F]) is the ``transpose(1, 2)`` view of a contiguous [E, F, D]
+    stack: how the experts pass their ``[E, out, in]`` params to a grouped GEMM. A weight
+    gradient made in the [E, F, D] layout then comes out in the param's own layout."""
+    return w_EDF.dim() == 3 and not w_EDF.is_contiguous() and w_EDF.transpose(1, 2).is_contiguous()
+
+
 def grouped_mm_loop(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Per-expert matmul over contiguous row groups: rows ``[sum(counts[:e]), sum(counts[:e+1]))``
     of ``x_ND`` times ``w_EDF[e]`` ([D, F]). Returns [N, F]. A plain loop, the reference for
@@ -294,7 +302,7 @@ def grouped_mm_loop(x_ND: torch.Tensor, w_EDF: torch.Tensor, counts: list[int]) 
     the transposed view of a contiguous [E, F, D] stack (the experts' ``[E, out, in]`` params),
     the unbind is of that stack, so the stacked gradient comes out in the param's own layout
     (a transposed one would keep the fused AdamW kernel from taking it)."""
-    if w_EDF.dim() == 3 and not w_EDF.is_contiguous() and w_EDF.transpose(1, 2).is_contiguous():
+    if is_transposed_stack(w_EDF):
         w_e = [w.t() for w in w_EDF.transpose(1, 2).unbind(0)]
     else:
         w_e = w_EDF.unbind(0)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from mff.backend import check_group_counts, ops
+from mff.backend import check_group_counts, is_transposed_stack, ops
 
 __all__ = ["grouped_mm", "grouped_mm_weight_grad"]
 
@@ -77,7 +77,7 @@ def _backward(ctx, grad_NF):
     if ctx.needs_input_grad[1]:
         # in w's own layout: the experts pass transposed views of [E, out, in] stacks, whose
         # param grad should come out contiguous like the param (as the eager path's does)
-        if w_EDF.transpose(1, 2).is_contiguous() and not w_EDF.is_contiguous():
+        if is_transposed_stack(w_EDF):
             grad_w = grouped_mm_weight_grad(grad_NF, x_ND, counts_E).transpose(1, 2)  # [E, F, D] -> [E, D, F] view
         else:
             grad_w = grouped_mm_weight_grad(x_ND, grad_NF, counts_E)
