@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import mff  # noqa: E402
 from mff.models import get_family  # noqa: E402
+from mff.nn.attention import cpu_block_attention  # noqa: E402
 from mff.optim import OptimConfig  # noqa: E402
 from mff.parallel import MESH_AXES, ParallelConfig, resolve_placements  # noqa: E402
 from mff.plan import DEVICES, PlanDoesNotFit, get_device, make_plan  # noqa: E402
@@ -223,7 +224,9 @@ def _saved_bytes(model, precision: str, B: int, T: int) -> int:
         return t
 
     ids = torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    # the plan counts the accelerators' flash kernel (a log-sum-exp per query); a CPU training
+    # step's blockwise attention also keeps its probabilities (tests/test_block_attention.py)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cpu_block_attention(False):
         model.forward(comp, {"input_ids": ids, "labels": ids}, logits=False)
     return sum(seen.values())
 

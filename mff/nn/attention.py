@@ -10,19 +10,44 @@ Masks are boolean, True where query i may attend key j:
   preallocated cache, so a decode step has the same shapes at every position (one compiled graph).
 
 A query row with no visible key (a padding position) gives 0, never NaN. Computed by
-``F.scaled_dot_product_attention``; value and query/key head dims may differ (MLA). On an NPU the
-op table's ``attention`` entry (``torch_npu.npu_fusion_attention``, :mod:`mff.backend.npu_attention`)
+``F.scaled_dot_product_attention``, except plain causal attention for training on a CPU, which
+takes the blockwise op of :mod:`mff.nn.block_attention` (faster there; :func:`cpu_block_attention`
+turns it off); value and query/key head dims may differ (MLA). On an NPU the op table's
+``attention`` entry (``torch_npu.npu_fusion_attention``, :mod:`mff.backend.npu_attention`)
 computes it instead, with this torch path as its fallback.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from mff.backend import ops
+from mff.nn.block_attention import BLOCK, causal_attention_blocks
 
-__all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention", "attention_torch", "repeat_kv"]
+__all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention", "attention_torch", "repeat_kv", "cpu_block_attention"]
+
+_CPU_BLOCKS = True
+
+
+@contextlib.contextmanager
+def cpu_block_attention(enabled: bool):
+    """Within the block, whether plain causal attention for training on a CPU takes the
+    blockwise op of :mod:`mff.nn.block_attention` (the default, True: faster than the flash kernel
+    there, and it keeps each layer's attention probabilities, about ``batch x heads x T^2 / 2``
+    values in the compute dtype, for the backward) or the flash kernel (False: keeps only a
+    log-sum-exp per query, as on CUDA; for a CPU run short of memory, or to measure what an
+    accelerator keeps). Not thread-safe: a process-wide setting while the block runs."""
+    global _CPU_BLOCKS
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled={enabled!r}; expected True or False")
+    before, _CPU_BLOCKS = _CPU_BLOCKS, enabled
+    try:
+        yield
+    finally:
+        _CPU_BLOCKS = before
 
 
 def document_causal_mask(document_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -77,6 +102,16 @@ def causal_attention(
     return attention_torch(q_BTHD, k_BSKD, v_BSKE, scale, mask_B1TS)
 
 
+def _blocks_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Plain causal attention for training on a CPU (grad needed, T == S, plain tensors, not
+    turned off by :func:`cpu_block_attention`): the blockwise op (:mod:`mff.nn.block_attention`)
+    is faster there than the flash kernel. Inference (no grad) keeps the flash kernel, which
+    stores nothing."""
+    return (_CPU_BLOCKS and q.device.type == "cpu" and q.shape[1] == k.shape[1] and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (q, k, v)))
+
+
 def attention_torch(q_BTHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKE: torch.Tensor, scale: float,
                     mask_B1TS: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`causal_attention` in plain torch, whatever the op table holds (the NPU entry's twin)."""
@@ -104,6 +139,13 @@ def attention_torch(q_BTHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKE: torch.Te
         probs = torch.where(m, torch.softmax(scores.masked_fill(~m, float("-inf")), dim=-1), 0.0)
         o = torch.einsum("bkrts,bske->btkre", probs.to(v_BSKE.dtype), v_BSKE)
         return o.reshape(B, T, H, v_BSKE.shape[-1])
+    if mask_B1TS is None and _blocks_apply(q_BTHD, k_BSKD, v_BSKE):
+        S, D, E = k_BSKD.shape[1], q_BTHD.shape[-1], v_BSKE.shape[-1]
+        q = q_BTHD.transpose(1, 2).reshape(B * H, T, D)
+        k = repeat_kv(k_BSKD, n_rep).transpose(1, 2).reshape(B * H, S, D)
+        v = repeat_kv(v_BSKE, n_rep).transpose(1, 2).reshape(B * H, S, E)
+        o, _ = causal_attention_blocks(q, k, v, scale, BLOCK)
+        return o.view(B, H, T, E).transpose(1, 2)
     q = q_BTHD.transpose(1, 2)
     k = repeat_kv(k_BSKD, n_rep).transpose(1, 2)
     v = repeat_kv(v_BSKE, n_rep).transpose(1, 2)

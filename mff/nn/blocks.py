@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from mff.nn import grouped_gemm  # noqa: F401  (registers torch.ops.mff.grouped_mm before _SAVE_OPS names it)
+from mff.nn import block_attention, grouped_gemm  # noqa: F401  (register torch.ops.mff.* before _SAVE_OPS names them)
 from mff.nn.cast import active_cast, cast_params_at_use
 
 __all__ = ["AC_MODES", "BlockExecution", "cast_params_at_use", "run_block"]
@@ -76,7 +76,8 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_grouped_mm"):
     _SAVE_OPS.add(torch.ops.aten._grouped_mm.default)
-_SAVE_OPS.update({torch.ops.mff.grouped_mm.default, torch.ops.mff.grouped_mm_weight_grad.default})
+_SAVE_OPS.update({torch.ops.mff.grouped_mm.default, torch.ops.mff.grouped_mm_weight_grad.default,
+                  torch.ops.mff.causal_attention.default})
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

@@ -44,7 +44,10 @@ outside the checkpointed blocks.
 Checked against what autograd really keeps (``torch.autograd.graph.saved_tensors_hooks`` on
 one-process forwards of every family, fp32 and bf16-mixed, ``tests/test_plan.py``). Not
 counted: gradients of activations alive during a layer's backward, the CUDA kernels' own
-workspaces, and routing imbalance (a device whose experts get more than K slots per token).
+workspaces, routing imbalance (a device whose experts get more than K slots per token), and on a
+CPU the attention probabilities that its blockwise training attention keeps instead of the
+flash kernel's log-sum-exp (:mod:`mff.nn.block_attention`, about ``c H T / 2`` more per token
+and layer; the test measures with :func:`mff.nn.attention.cpu_block_attention` off).
 """
 
 from __future__ import annotations
