@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mff.nn.attention import causal_attention, cpu_block_attention
-from mff.nn.block_attention import causal_attention_blocks, probs_numel
+from mff.nn.block_attention import MAX_TOKENS, causal_attention_blocks, probs_numel
 
 
 class _Ops(TorchDispatchMode):
@@ -95,7 +95,7 @@ def test_bf16_error_is_at_most_the_flash_kernels():
     assert e_blocks <= e_flash, (e_blocks, e_flash)
 
 
-def test_inference_and_the_switch_keep_the_flash_kernel():
+def test_inference_long_sequences_and_the_switch_keep_the_flash_kernel():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 70, 2, 8, generator=g) for _ in range(3))
     with _Ops() as seen, torch.no_grad():
@@ -106,6 +106,13 @@ def test_inference_and_the_switch_keep_the_flash_kernel():
     assert not any(n.startswith("mff.causal_attention") for n in seen.names)
     with _Ops() as seen:  # the switch is back on after the block
         causal_attention(q, k, v, 0.3).sum().backward()
+    assert "mff.causal_attention.default" in seen.names
+    q, k, v = (torch.randn(1, MAX_TOKENS + 1, 1, 4, generator=g, requires_grad=True) for _ in range(3))
+    with _Ops() as seen:  # longer sequences: the flash kernel
+        causal_attention(q, k, v, 0.3).sum().backward()
+    assert not any(n.startswith("mff.causal_attention") for n in seen.names)
+    with _Ops() as seen:
+        causal_attention(q[:, :MAX_TOKENS], k[:, :MAX_TOKENS], v[:, :MAX_TOKENS], 0.3).sum().backward()
     assert "mff.causal_attention.default" in seen.names
     with pytest.raises(TypeError, match="enabled=1; expected True or False"):
         with cpu_block_attention(1):

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mff.backend import ops
-from mff.nn.block_attention import BLOCK, causal_attention_blocks
+from mff.nn.block_attention import BLOCK, MAX_TOKENS, causal_attention_blocks
 
 __all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention", "attention_torch", "repeat_kv", "cpu_block_attention"]
 
@@ -34,10 +34,10 @@ _CPU_BLOCKS = True
 
 @contextlib.contextmanager
 def cpu_block_attention(enabled: bool):
-    """Within the block, whether plain causal attention for training on a CPU takes the
-    blockwise op of :mod:`mff.nn.block_attention` (the default, True: faster than the flash kernel
-    there, and it keeps each layer's attention probabilities, about ``batch x heads x T^2 / 2``
-    values in the compute dtype, for the backward) or the flash kernel (False: keeps only a
+    """Within the block, whether plain causal attention for training on a CPU, up to
+    ``MAX_TOKENS`` (512) tokens, takes the blockwise op of :mod:`mff.nn.block_attention` (the
+    default, True: faster than the flash kernel there, and it keeps each layer's attention
+    probabilities, about ``batch x heads x T^2 / 2`` values in the compute dtype, for the backward) or the flash kernel (False: keeps only a
     log-sum-exp per query, as on CUDA; for a CPU run short of memory, or to measure what an
     accelerator keeps). Not thread-safe: a process-wide setting while the block runs."""
     global _CPU_BLOCKS
@@ -103,11 +103,11 @@ def causal_attention(
 
 
 def _blocks_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Plain causal attention for training on a CPU (grad needed, T == S, plain tensors, not
-    turned off by :func:`cpu_block_attention`): the blockwise op (:mod:`mff.nn.block_attention`)
-    is faster there than the flash kernel. Inference (no grad) keeps the flash kernel, which
-    stores nothing."""
-    return (_CPU_BLOCKS and q.device.type == "cpu" and q.shape[1] == k.shape[1] and torch.is_grad_enabled()
+    """Plain causal attention for training on a CPU (grad needed, T == S <= ``MAX_TOKENS``, plain
+    tensors, not turned off by :func:`cpu_block_attention`): the blockwise op
+    (:mod:`mff.nn.block_attention`) is faster there than the flash kernel. Inference (no grad)
+    and longer sequences keep the flash kernel, which stores no probabilities."""
+    return (_CPU_BLOCKS and q.device.type == "cpu" and q.shape[1] == k.shape[1] <= MAX_TOKENS and torch.is_grad_enabled()
             and (q.requires_grad or k.requires_grad or v.requires_grad)
             and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (q, k, v)))
 

@@ -37,10 +37,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "causal_attention_blocks", "probs_numel"]
+__all__ = ["BLOCK", "MAX_TOKENS", "causal_attention_blocks", "probs_numel"]
 
 BLOCK = 64
 """Query rows per block: 64 measured fastest of 64 / 128 / 256 at 512 tokens (see above)."""
+
+MAX_TOKENS = 512
+"""The longest sequence :mod:`mff.nn.attention` sends here: measured faster than the flash kernel
+at 512 tokens, slower at 1024 (batch 2: 1.05-1.61x its time, fp32 and bf16, head widths 64 and
+96, on a loaded machine), where torch's flash kernel also takes larger tiles, while the stored
+probabilities grow with ``T^2``."""
 
 
 def probs_numel(N: int, T: int, block: int) -> int:
