@@ -39,7 +39,10 @@ def cpu_block_attention(enabled: bool):
     default, True: faster than the flash kernel there, and it keeps each layer's attention
     probabilities, about ``batch x heads x T^2 / 2`` values in the compute dtype, for the backward) or the flash kernel (False: keeps only a
     log-sum-exp per query, as on CUDA; for a CPU run short of memory, or to measure what an
-    accelerator keeps). Not thread-safe: a process-wide setting while the block runs."""
+    accelerator keeps). Not thread-safe: a process-wide setting while the block runs. With
+    activation checkpointing the backward runs the forward again, so the backward must run
+    inside the same block (otherwise the recomputation takes the other kernel and checkpointing
+    raises that the recomputed values differ)."""
     global _CPU_BLOCKS
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled={enabled!r}; expected True or False")
@@ -107,9 +110,16 @@ def _blocks_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     tensors, not turned off by :func:`cpu_block_attention`): the blockwise op
     (:mod:`mff.nn.block_attention`) is faster there than the flash kernel. Inference (no grad)
     and longer sequences keep the flash kernel, which stores no probabilities."""
-    return (_CPU_BLOCKS and q.device.type == "cpu" and q.shape[1] == k.shape[1] <= MAX_TOKENS and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (q, k, v)))
+    if not (_CPU_BLOCKS and q.device.type == "cpu" and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return False
+    if torch.is_autocast_enabled("cpu") or torch._C._are_functorch_transforms_active():
+        return False  # autocast casts SDPA's inputs, not a custom op's; torch.func.grad/vmap: SDPA's own rules
+    B, T, H, D = q.shape
+    _, S, K, _ = k.shape
+    same = (k.shape == (B, T, K, D) and v.shape[:3] == (B, T, K) and H % K == 0  # else SDPA broadcasts or raises
+            and q.dtype == k.dtype == v.dtype)
+    return same and T <= MAX_TOKENS and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (q, k, v))
 
 
 def attention_torch(q_BTHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKE: torch.Tensor, scale: float,

@@ -19,7 +19,12 @@ Measured on this project's 2-core CPU (2026-12-07, forward + backward of one lay
 heads x 512 tokens, 2 threads, alternating with the flash kernel, median of 7): head width 96
 with 64-wide values (MLA; the flash kernel needs V zero-padded to 96) 0.68-0.71x the flash
 kernel's time in fp32 and 0.56x in bf16, head width 64 0.72-0.81x in fp32 and 0.57-0.66x in
-bf16; the error against a float64 reference is the flash kernel's in fp32 and half of it in bf16.
+bf16. The error against a float64 reference is the flash kernel's in fp32; in bf16 (and fp16) it
+is up to 1.4-3x the flash kernel's per op (relative by norm 0.0022-0.0033 against 0.0016-0.0017 at
+8 x 256 tokens x width 32; the max error half the flash kernel's at 32 x 512 x 96), because the
+probabilities are kept rounded to bf16 and ``dS`` is rounded to bf16 for its two products, while
+a whole qwen3 bf16-mixed model's gradient error is the same with either kernel (review,
+2026-12-07).
 Recomputing the probabilities in the backward from a stored log-sum-exp instead (what the flash
 kernel does) kept only 0.84-1.02x of the flash kernel's time. The stored probabilities cost
 ``N x block^2 x (1 + 2 + ... + T / block)`` elements per layer (about half of ``N T^2``).
@@ -92,6 +97,7 @@ def causal_attention_blocks(q_NTD: torch.Tensor, k_NTD: torch.Tensor, v_NTE: tor
     input dtype) for the backward."""
     _check(q_NTD, k_NTD, v_NTE, block)
     N, T, _ = q_NTD.shape
+    block = max(1, min(block, T))  # one block of all rows when block >= T (the same packing)
     acc = _acc_dtype(q_NTD.dtype)
     q, k, v = q_NTD.contiguous(), k_NTD.contiguous(), v_NTE.contiguous()
     qa, ka = q.to(acc), k.to(acc)
@@ -126,6 +132,7 @@ def causal_attention_backward(do_NTE: torch.Tensor, q_NTD: torch.Tensor, k_NTD: 
     """``(dq, dk, dv)`` of :func:`causal_attention_blocks` for the output gradient ``do_NTE``."""
     _check(q_NTD, k_NTD, v_NTE, block)
     N, T, D = q_NTD.shape
+    block = max(1, min(block, T))
     acc = _acc_dtype(q_NTD.dtype)
     q, k, v = q_NTD.contiguous(), k_NTD.contiguous(), v_NTE.contiguous()
     do = do_NTE.to(q.dtype).contiguous()
