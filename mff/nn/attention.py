@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mff.backend import ops
 from mff.nn.block_attention import BLOCK, MAX_TOKENS, causal_attention_blocks
+from mff.nn.layers import is_plain
 
 __all__ = ["document_causal_mask", "cache_causal_mask", "causal_attention", "attention_torch", "repeat_kv", "cpu_block_attention"]
 
@@ -37,9 +38,9 @@ def cpu_block_attention(enabled: bool):
     """Within the block, whether plain causal attention for training on a CPU, up to
     ``MAX_TOKENS`` (512) tokens, takes the blockwise op of :mod:`mff.nn.block_attention` (the
     default, True: faster than the flash kernel there, and it keeps each layer's attention
-    probabilities, about ``batch x heads x T^2 / 2`` values in the compute dtype, for the backward) or the flash kernel (False: keeps only a
-    log-sum-exp per query, as on CUDA; for a CPU run short of memory, or to measure what an
-    accelerator keeps). Not thread-safe: a process-wide setting while the block runs. With
+    probabilities, about ``batch x heads x T^2 / 2`` values in the compute dtype, for the
+    backward) or the flash kernel (False: keeps only a log-sum-exp per query, as on CUDA; for a
+    CPU run short of memory, or to measure what an accelerator keeps). Not thread-safe: a process-wide setting while the block runs. With
     activation checkpointing the backward runs the forward again, so the backward must run
     inside the same block (otherwise the recomputation takes the other kernel and checkpointing
     raises that the recomputed values differ)."""
@@ -116,10 +117,10 @@ def _blocks_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if torch.is_autocast_enabled("cpu") or torch._C._are_functorch_transforms_active():
         return False  # autocast casts SDPA's inputs, not a custom op's; torch.func.grad/vmap: SDPA's own rules
     B, T, H, D = q.shape
-    _, S, K, _ = k.shape
+    K = k.shape[2]
     same = (k.shape == (B, T, K, D) and v.shape[:3] == (B, T, K) and H % K == 0  # else SDPA broadcasts or raises
             and q.dtype == k.dtype == v.dtype)
-    return same and T <= MAX_TOKENS and all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (q, k, v))
+    return same and T <= MAX_TOKENS and all(is_plain(t) for t in (q, k, v))
 
 
 def attention_torch(q_BTHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKE: torch.Tensor, scale: float,
@@ -150,10 +151,10 @@ def attention_torch(q_BTHD: torch.Tensor, k_BSKD: torch.Tensor, v_BSKE: torch.Te
         o = torch.einsum("bkrts,bske->btkre", probs.to(v_BSKE.dtype), v_BSKE)
         return o.reshape(B, T, H, v_BSKE.shape[-1])
     if mask_B1TS is None and _blocks_apply(q_BTHD, k_BSKD, v_BSKE):
-        S, D, E = k_BSKD.shape[1], q_BTHD.shape[-1], v_BSKE.shape[-1]
+        D, E = q_BTHD.shape[-1], v_BSKE.shape[-1]  # keys: T of them (_blocks_apply)
         q = q_BTHD.transpose(1, 2).reshape(B * H, T, D)
-        k = repeat_kv(k_BSKD, n_rep).transpose(1, 2).reshape(B * H, S, D)
-        v = repeat_kv(v_BSKE, n_rep).transpose(1, 2).reshape(B * H, S, E)
+        k = repeat_kv(k_BSKD, n_rep).transpose(1, 2).reshape(B * H, T, D)
+        v = repeat_kv(v_BSKE, n_rep).transpose(1, 2).reshape(B * H, T, E)
         o, _ = causal_attention_blocks(q, k, v, scale, BLOCK)
         return o.view(B, H, T, E).transpose(1, 2)
     q = q_BTHD.transpose(1, 2)
